@@ -1,0 +1,189 @@
+"""GRPO loss as small functions over plain tensors.
+
+Shapes: B sequences, T token positions (already shifted so that position t holds the
+log-prob of token t given the tokens before it), V vocabulary. Nothing here knows about
+episodes, buffers or actors; the trainer turns a batch of episodes into these tensors.
+
+The policy-gradient term is PPO's clipped surrogate with the ratio taken against the
+BEHAVIOUR log-probs (what the generator returned when it sampled). Taking it against a
+detached copy of the current log-probs makes the ratio identically 1 and silently turns
+clipping off (TorchForge's GRPO loss does that).
+
+Deliberately not here: value functions / GAE (GRPO has no critic), token-level
+advantages from a reward model, and importance-sampling corrections between the
+generator's and the trainer's numerics (TIS/MIS); the behaviour log-probs already absorb
+the policy-version lag, which is what the clip is for.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------------------- advantage
+
+
+def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Advantages of the G episodes of one group (same prompt): reward minus group mean.
+
+    rewards [G] -> advantages [G]. With normalize_std the centred rewards are divided by
+    the group's population std (GRPO); Dr.GRPO (Liu et al. 2025) drops that division
+    because it over-weights groups whose rewards barely differ. A group whose rewards are
+    all equal gets zero advantages either way.
+    """
+    rewards = rewards.float()
+    centred = rewards - rewards.mean()  # [G]
+    if normalize_std:
+        centred = centred / (rewards.std(correction=0) + eps)
+    return centred
+
+
+# ---------------------------------------------------------------------------- per token
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(targets) under logits: logits [B, T, V], targets [B, T] -> [B, T] (fp32)."""
+    logp = F.log_softmax(logits.float(), dim=-1)  # [B, T, V]
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of each position's next-token distribution: logits [B, T, V] -> [B, T]."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+# KL(policy || reference) estimated from tokens the policy sampled (Schulman, "Approximating
+# KL divergence", 2020). With log_r = ref - policy: k1 = -log_r is unbiased but can go
+# negative; k2 = log_r^2 / 2 is biased but low-variance; k3 = e^log_r - 1 - log_r is
+# unbiased and always >= 0 (the one GRPO uses).
+KL_ESTIMATORS = {
+    "k1": lambda log_r: -log_r,
+    "k2": lambda log_r: 0.5 * log_r**2,
+    "k3": lambda log_r: torch.expm1(log_r) - log_r,
+}
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token KL estimate to the reference: [B, T], [B, T] -> [B, T]."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator {estimator!r}; choose one of {sorted(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[estimator](ref_logprobs - logprobs)
+
+
+# ---------------------------------------------------------------------------- aggregation
+# How per-token losses [B, T] become one number. `denominator` lets the caller normalise
+# by the WHOLE batch (all micro-batches, all data-parallel ranks) so that summing the
+# pieces' gradients gives exactly the gradient of the whole batch; default: this piece.
+
+
+def token_mean(per_token: torch.Tensor, mask: torch.Tensor, denominator: float | None = None) -> torch.Tensor:
+    """Every trained token of the batch weighs the same (DAPO): long answers count more."""
+    mask = mask.to(per_token.dtype)
+    denominator = mask.sum().clamp(min=1) if denominator is None else denominator
+    return (per_token * mask).sum() / denominator
+
+
+def seq_mean(per_token: torch.Tensor, mask: torch.Tensor, denominator: float | None = None) -> torch.Tensor:
+    """Mean over each sequence's tokens, then over sequences (original GRPO)."""
+    mask = mask.to(per_token.dtype)
+    per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
+    denominator = (mask.sum(-1) > 0).sum().clamp(min=1) if denominator is None else denominator
+    return per_seq.sum() / denominator
+
+
+AGGREGATIONS = {"token_mean": token_mean, "seq_mean": seq_mean}
+
+
+# ---------------------------------------------------------------------------- the loss
+
+
+@dataclass
+class LossConfig:
+    """GRPO loss knobs (defaults: DAPO's clip-higher, no KL, no entropy bonus)."""
+
+    eps_low: float = 0.2  # ratio clipped below at 1 - eps_low
+    eps_high: float = 0.28  # and above at 1 + eps_high (DAPO clip-higher: 0.28 > 0.2)
+    kl_coef: float = 0.0  # weight of KL(policy || reference); 0 needs no reference model
+    kl_estimator: str = "k3"  # one of KL_ESTIMATORS
+    aggregation: str = "token_mean"  # one of AGGREGATIONS
+    entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss); needs logits
+
+    def __post_init__(self):
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"loss.kl_estimator={self.kl_estimator!r}: use one of {sorted(KL_ESTIMATORS)}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"loss.aggregation={self.aggregation!r}: use one of {sorted(AGGREGATIONS)}")
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+            raise ValueError("loss.eps_low must be in [0, 1) and loss.eps_high >= 0")
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,  # [B, T] current policy log-probs of the sampled tokens (with grad)
+    behaviour_logprobs: torch.Tensor,  # [B, T] log-probs the generator sampled them with
+    advantages: torch.Tensor,  # [B] one per sequence, or [B, T] per token
+    mask: torch.Tensor,  # [B, T] 1 where the policy sampled the token, 0 elsewhere
+    config: LossConfig = LossConfig(),
+    ref_logprobs: torch.Tensor | None = None,  # [B, T] reference log-probs; needed if kl_coef
+    logits: torch.Tensor | None = None,  # [B, T, V] only for the entropy bonus / metric
+    denominator: float | None = None,  # see AGGREGATIONS; None: normalise by this batch
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped-ratio policy loss + KL + entropy bonus, aggregated over masked tokens.
+
+    Returns (loss, metrics). Metrics are means over masked tokens (detached scalars) plus
+    ratio min/max and `num_tokens`, so a caller can weight pieces of a batch together.
+    Tokens outside `mask` get exactly zero gradient: every per-token term is multiplied
+    by the mask before the sum, and masked positions never reach the exp of the ratio.
+    """
+    mask = mask.bool()
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logprobs)  # [B, T]
+    # Zero the log-ratio off-mask so padding (where behaviour log-probs are 0 and the
+    # current ones are arbitrary) cannot produce inf * 0 = nan in the gradient.
+    log_ratio = torch.where(mask, logprobs - behaviour_logprobs, torch.zeros_like(logprobs))
+    ratio = torch.exp(log_ratio)  # [B, T]
+    clipped = ratio.clamp(1 - config.eps_low, 1 + config.eps_high)
+    per_token = -torch.minimum(ratio * advantages, clipped * advantages)  # [B, T]
+
+    kl = None
+    if config.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("loss.kl_coef > 0 needs reference log-probs (start a ReferenceModel)")
+        ref = torch.where(mask, ref_logprobs, logprobs.detach())
+        kl = kl_penalty(logprobs, ref, config.kl_estimator)  # [B, T]
+        per_token = per_token + config.kl_coef * kl
+
+    entropy = token_entropy(logits) if logits is not None else None  # [B, T]
+    if config.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("loss.entropy_coef > 0 needs the logits")
+        per_token = per_token - config.entropy_coef * entropy
+
+    loss = AGGREGATIONS[config.aggregation](per_token, mask, denominator)
+
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        r = ratio[mask]
+
+        def masked_mean(x):
+            return (x * mask).sum() / n
+
+        metrics = {
+            "num_tokens": mask.sum().float(),
+            "ratio_mean": masked_mean(ratio),
+            "ratio_min": r.min() if r.numel() else torch.tensor(1.0),
+            "ratio_max": r.max() if r.numel() else torch.tensor(1.0),
+            # Clipping is active (gradient zero) when the ratio left the band in the
+            # direction the advantage pushes it.
+            "clip_fraction_low": masked_mean(((ratio < 1 - config.eps_low) & (advantages < 0)).float()),
+            "clip_fraction_high": masked_mean(((ratio > 1 + config.eps_high) & (advantages > 0)).float()),
+            "advantage_mean": masked_mean(advantages),
+        }
+        metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
+        if kl is not None:
+            metrics["kl"] = masked_mean(kl)
+        elif ref_logprobs is not None:
+            metrics["kl"] = masked_mean(kl_penalty(logprobs, torch.where(mask, ref_logprobs, logprobs), config.kl_estimator))
+        if entropy is not None:
+            metrics["entropy"] = masked_mean(entropy)
+    return loss, {k: v.detach().float() for k, v in metrics.items()}

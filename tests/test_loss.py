@@ -1,0 +1,168 @@
+"""GRPO loss checked against numbers worked out by hand (the arithmetic is in comments)."""
+
+import math
+
+import pytest
+import torch
+
+from forge_rl.loss import (
+    LossConfig,
+    group_advantages,
+    grpo_loss,
+    kl_penalty,
+    seq_mean,
+    token_entropy,
+    token_logprobs,
+    token_mean,
+)
+
+LN2 = math.log(2)
+
+
+def close(actual, expected, atol=1e-5):
+    torch.testing.assert_close(torch.as_tensor(actual).float(), torch.as_tensor(expected).float(), atol=atol, rtol=0)
+
+
+def test_group_advantages_by_hand():
+    # [1,0,0,1]: mean 0.5, centred [.5,-.5,-.5,.5], population std 0.5 -> [1,-1,-1,1]
+    close(group_advantages(torch.tensor([1.0, 0, 0, 1])), [1.0, -1, -1, 1])
+    # [3,0,0,0]: mean .75, centred [2.25,-.75,-.75,-.75], var 6.75/4, std 1.299038
+    # -> [sqrt(3), -1/sqrt(3) x3]
+    close(group_advantages(torch.tensor([3.0, 0, 0, 0])), [1.7320508, -0.5773503, -0.5773503, -0.5773503])
+    # Dr.GRPO: only centred
+    close(group_advantages(torch.tensor([3.0, 0, 0, 0]), normalize_std=False), [2.25, -0.75, -0.75, -0.75])
+    # no spread -> no signal, no nan
+    close(group_advantages(torch.tensor([2.0, 2, 2])), [0.0, 0, 0])
+    close(group_advantages(torch.tensor([5.0])), [0.0])
+
+
+# Two sequences, 4 positions; seq 1's last position is not policy-sampled (mask 0).
+# seq 0: A=+1, ratios [1, 1.5, 0.5, 1.1]; seq 1: A=-2, ratios [1, 1.5, 0.5, (masked)].
+BEHAVIOUR = torch.tensor([[-1.0, -1, -1, -1], [-2.0, -2, -2, 0]])
+LOG_RATIO = torch.tensor([[0.0, math.log(1.5), math.log(0.5), math.log(1.1)], [0.0, math.log(1.5), math.log(0.5), -30.0]])
+ADV = torch.tensor([1.0, -2.0])
+MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+
+
+def make_logprobs():
+    return (BEHAVIOUR + LOG_RATIO).clone().requires_grad_(True)
+
+
+def test_clipped_ratio_token_mean_by_hand():
+    # clip band [0.8, 1.28].
+    # seq 0 (A=+1): min(r, clip(r)) = [1, 1.28, 0.5, 1.1]        -> per-token [-1, -1.28, -0.5, -1.1]
+    # seq 1 (A=-2): min(-2r, -2clip(r)) = [-2, -3, -1.6]          -> per-token [2, 3, 1.6]
+    # token_mean = (-3.88 + 6.6) / 7 = 0.3885714
+    lp = make_logprobs()
+    loss, m = grpo_loss(lp, BEHAVIOUR, ADV, MASK, LossConfig())
+    close(loss, 0.3885714)
+    # clipped high: seq0 pos1 (1.5 > 1.28, A > 0); clipped low: seq1 pos2 (0.5 < 0.8, A < 0)
+    close(m["clip_fraction_high"], 1 / 7)
+    close(m["clip_fraction_low"], 1 / 7)
+    close(m["clip_fraction"], 2 / 7)
+    close(m["ratio_mean"], 7.1 / 7)  # (1+1.5+.5+1.1+1+1.5+.5)/7
+    close(m["ratio_min"], 0.5)
+    close(m["ratio_max"], 1.5)
+    close(m["num_tokens"], 7.0)
+    # d loss / d logprob = -r*A/7 where unclipped, 0 where clipped or masked.
+    loss.backward()
+    close(lp.grad, [[-1 / 7, 0, -0.5 / 7, -1.1 / 7], [2 / 7, 3 / 7, 0, 0]])
+
+
+def test_seq_mean_by_hand():
+    # seq 0 mean -3.88/4 = -0.97; seq 1 mean 6.6/3 = 2.2; mean of the two = 0.615
+    loss, _ = grpo_loss(make_logprobs(), BEHAVIOUR, ADV, MASK, LossConfig(aggregation="seq_mean"))
+    close(loss, 0.615)
+
+
+def test_aggregations_with_external_denominator():
+    per_token = torch.tensor([[1.0, 2, 3], [4.0, 5, 6]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    close(token_mean(per_token, mask), 7 / 3)  # (1+2+4)/3
+    close(token_mean(per_token, mask, denominator=7), 1.0)  # 7/7: normalised by a bigger batch
+    close(seq_mean(per_token, mask), 2.75)  # (1.5 + 4) / 2
+    close(seq_mean(per_token, mask, denominator=4), 1.375)
+
+
+def test_symmetric_clip_bounds_change_result():
+    # eps_high = 0.2: seq0 pos1 now clipped at 1.2 -> per-token -1.2 instead of -1.28
+    # token_mean = (2.72 + 0.08) / 7 = 0.4
+    loss, _ = grpo_loss(make_logprobs(), BEHAVIOUR, ADV, MASK, LossConfig(eps_high=0.2))
+    close(loss, 0.4)
+
+
+def test_ratio_is_not_one_against_behaviour_logprobs():
+    lp = make_logprobs()
+    _, m = grpo_loss(lp, BEHAVIOUR, ADV, MASK)
+    assert m["ratio_max"] > 1.4 and m["ratio_min"] < 0.6
+    # The flawed variant (ratio against a detached copy of itself) is always exactly 1 and
+    # its gradient ignores clipping: -A/7 on every trained token.
+    lp2 = make_logprobs()
+    loss2, m2 = grpo_loss(lp2, lp2.detach(), ADV, MASK)
+    close(m2["ratio_min"], 1.0)
+    close(m2["ratio_max"], 1.0)
+    loss2.backward()
+    close(lp2.grad, [[-1 / 7] * 4, [2 / 7] * 3 + [0]])
+
+
+def test_kl_estimators_by_hand():
+    lp = torch.tensor([[-1.0, -2.0, -3.0]])
+    # log r = ref - policy = [ln2, 0, -ln2]
+    ref = torch.tensor([[-1.0 + LN2, -2.0, -3.0 - LN2]])
+    close(kl_penalty(lp, ref, "k1"), [[-0.6931472, 0, 0.6931472]])  # -log r
+    close(kl_penalty(lp, ref, "k2"), [[0.2402265, 0, 0.2402265]])  # (ln2)^2 / 2
+    close(kl_penalty(lp, ref, "k3"), [[0.3068528, 0, 0.1931472]])  # r - 1 - log r: 2-1-.693, .5-1+.693
+    with pytest.raises(ValueError):
+        kl_penalty(lp, ref, "k9")
+
+
+def test_kl_term_in_loss_by_hand():
+    # ratio 1 and A = 0, so the loss is only kl_coef * mean k3 = 0.1 * (0.3068528+0.1931472)/2 = 0.025
+    lp = torch.tensor([[-1.0, -3.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0 + LN2, -3.0 - LN2]])
+    cfg = LossConfig(kl_coef=0.1, kl_estimator="k3")
+    loss, m = grpo_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 2), cfg, ref_logprobs=ref)
+    close(loss, 0.025)
+    close(m["kl"], 0.25)
+    # d k3 / d logprob = 1 - r: r=2 -> -1, r=.5 -> .5; times 0.1 / 2 tokens
+    loss.backward()
+    close(lp.grad, [[-0.05, 0.025]])
+    with pytest.raises(ValueError):
+        grpo_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 2), cfg)
+
+
+def test_entropy_and_token_logprobs_by_hand():
+    # position 0: uniform over 4 -> ln 4 = 1.3862944
+    # position 1: probs [.25, .75, 0, 0] (logits 0, ln3, -inf, -inf)
+    #   entropy = .25 ln4 + .75 ln(4/3) = 0.3465736 + 0.2157616 = 0.5623351
+    logits = torch.tensor([[[0.0, 0, 0, 0], [0.0, math.log(3), -1e9, -1e9]]], requires_grad=True)
+    close(token_entropy(logits), [[1.3862944, 0.5623351]])
+    close(token_logprobs(logits, torch.tensor([[2, 1]])), [[-1.3862944, -0.2876821]])  # ln .25, ln .75
+    # bonus: loss = -0.01 * (1.3862944 + 0.5623351) / 2 = -0.0097431
+    lp = token_logprobs(logits, torch.tensor([[2, 1]]))
+    loss, m = grpo_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 2), LossConfig(entropy_coef=0.01), logits=logits)
+    close(loss, -0.0097431)
+    close(m["entropy"], 0.9743148)
+
+
+def test_gradient_flows_only_through_masked_tokens():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7, requires_grad=True)
+    targets = torch.randint(0, 7, (2, 5))
+    mask = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 1]])
+    lp = token_logprobs(logits, targets)
+    behaviour = torch.where(mask.bool(), lp.detach() - 0.1, torch.zeros_like(lp))
+    cfg = LossConfig(kl_coef=0.05, entropy_coef=0.01)
+    ref = lp.detach() + 0.3
+    loss, _ = grpo_loss(lp, behaviour, torch.tensor([1.0, -1.0]), mask, cfg, ref_logprobs=ref, logits=logits)
+    loss.backward()
+    per_position = logits.grad.abs().sum(-1)  # [B, T]
+    assert torch.all(per_position[mask == 0] == 0)
+    assert torch.all(per_position[mask == 1] > 0)
+
+
+def test_config_validation_names_the_fix():
+    with pytest.raises(ValueError, match="aggregation"):
+        LossConfig(aggregation="sum")
+    with pytest.raises(ValueError, match="kl_estimator"):
+        LossConfig(kl_estimator="k4")
