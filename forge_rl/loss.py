@@ -100,22 +100,30 @@ AGGREGATIONS = {"token_mean": token_mean, "seq_mean": seq_mean}
 
 @dataclass
 class LossConfig:
-    """GRPO loss knobs (defaults: DAPO's clip-higher, no KL, no entropy bonus)."""
+    """GRPO loss knobs (defaults: DAPO's clip-higher, no KL, no entropy bonus).
 
-    eps_low: float = 0.2  # ratio clipped below at 1 - eps_low
-    eps_high: float = 0.28  # and above at 1 + eps_high (DAPO clip-higher: 0.28 > 0.2)
+    Field names match the run config's `grpo` section, so `LossConfig.from_config(cfg.grpo)`.
+    """
+
+    clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
+    clip_high: float = 0.28  # and above at 1 + clip_high (DAPO clip-higher: 0.28 > 0.2)
     kl_coef: float = 0.0  # weight of KL(policy || reference); 0 needs no reference model
     kl_estimator: str = "k3"  # one of KL_ESTIMATORS
-    aggregation: str = "token_mean"  # one of AGGREGATIONS
+    loss_agg: str = "token_mean"  # one of AGGREGATIONS
     entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss); needs logits
+
+    @classmethod
+    def from_config(cls, section) -> "LossConfig":
+        """Pick this dataclass's fields out of a larger config section (e.g. GRPOConfig)."""
+        return cls(**{f: getattr(section, f) for f in cls.__dataclass_fields__ if hasattr(section, f)})
 
     def __post_init__(self):
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"loss.kl_estimator={self.kl_estimator!r}: use one of {sorted(KL_ESTIMATORS)}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"loss.aggregation={self.aggregation!r}: use one of {sorted(AGGREGATIONS)}")
-        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
-            raise ValueError("loss.eps_low must be in [0, 1) and loss.eps_high >= 0")
+        if self.loss_agg not in AGGREGATIONS:
+            raise ValueError(f"loss.loss_agg={self.loss_agg!r}: use one of {sorted(AGGREGATIONS)}")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError("loss.clip_low must be in [0, 1) and loss.clip_high >= 0")
 
 
 def grpo_loss(
@@ -142,7 +150,7 @@ def grpo_loss(
     # current ones are arbitrary) cannot produce inf * 0 = nan in the gradient.
     log_ratio = torch.where(mask, logprobs - behaviour_logprobs, torch.zeros_like(logprobs))
     ratio = torch.exp(log_ratio)  # [B, T]
-    clipped = ratio.clamp(1 - config.eps_low, 1 + config.eps_high)
+    clipped = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)  # [B, T]
 
     kl = None
@@ -159,7 +167,7 @@ def grpo_loss(
             raise ValueError("loss.entropy_coef > 0 needs the logits")
         per_token = per_token - config.entropy_coef * entropy
 
-    loss = AGGREGATIONS[config.aggregation](per_token, mask, denominator)
+    loss = AGGREGATIONS[config.loss_agg](per_token, mask, denominator)
 
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
@@ -175,8 +183,8 @@ def grpo_loss(
             "ratio_max": r.max() if r.numel() else torch.tensor(1.0),
             # Clipping is active (gradient zero) when the ratio left the band in the
             # direction the advantage pushes it.
-            "clip_fraction_low": masked_mean(((ratio < 1 - config.eps_low) & (advantages < 0)).float()),
-            "clip_fraction_high": masked_mean(((ratio > 1 + config.eps_high) & (advantages > 0)).float()),
+            "clip_fraction_low": masked_mean(((ratio < 1 - config.clip_low) & (advantages < 0)).float()),
+            "clip_fraction_high": masked_mean(((ratio > 1 + config.clip_high) & (advantages > 0)).float()),
             "advantage_mean": masked_mean(advantages),
         }
         metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]

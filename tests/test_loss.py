@@ -71,7 +71,7 @@ def test_clipped_ratio_token_mean_by_hand():
 
 def test_seq_mean_by_hand():
     # seq 0 mean -3.88/4 = -0.97; seq 1 mean 6.6/3 = 2.2; mean of the two = 0.615
-    loss, _ = grpo_loss(make_logprobs(), BEHAVIOUR, ADV, MASK, LossConfig(aggregation="seq_mean"))
+    loss, _ = grpo_loss(make_logprobs(), BEHAVIOUR, ADV, MASK, LossConfig(loss_agg="seq_mean"))
     close(loss, 0.615)
 
 
@@ -85,9 +85,9 @@ def test_aggregations_with_external_denominator():
 
 
 def test_symmetric_clip_bounds_change_result():
-    # eps_high = 0.2: seq0 pos1 now clipped at 1.2 -> per-token -1.2 instead of -1.28
+    # clip_high = 0.2: seq0 pos1 now clipped at 1.2 -> per-token -1.2 instead of -1.28
     # token_mean = (2.72 + 0.08) / 7 = 0.4
-    loss, _ = grpo_loss(make_logprobs(), BEHAVIOUR, ADV, MASK, LossConfig(eps_high=0.2))
+    loss, _ = grpo_loss(make_logprobs(), BEHAVIOUR, ADV, MASK, LossConfig(clip_high=0.2))
     close(loss, 0.4)
 
 
@@ -162,7 +162,7 @@ def test_gradient_flows_only_through_masked_tokens():
 
 
 def test_config_validation_names_the_fix():
-    with pytest.raises(ValueError, match="aggregation"):
-        LossConfig(aggregation="sum")
+    with pytest.raises(ValueError, match="loss_agg"):
+        LossConfig(loss_agg="sum")
     with pytest.raises(ValueError, match="kl_estimator"):
         LossConfig(kl_estimator="k4")
