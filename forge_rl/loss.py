@@ -161,11 +161,15 @@ def grpo_loss(
         kl = kl_penalty(logprobs, ref, config.kl_estimator)  # [B, T]
         per_token = per_token + config.kl_coef * kl
 
-    entropy = token_entropy(logits) if logits is not None else None  # [B, T]
+    entropy = None  # [B, T]
     if config.entropy_coef > 0:
-        if entropy is None:
+        if logits is None:
             raise ValueError("loss.entropy_coef > 0 needs the logits")
+        entropy = token_entropy(logits)
         per_token = per_token - config.entropy_coef * entropy
+    elif logits is not None:
+        with torch.no_grad():  # a metric only: no [B, T, V] graph kept for it
+            entropy = token_entropy(logits)
 
     loss = AGGREGATIONS[config.loss_agg](per_token, mask, denominator)
 
