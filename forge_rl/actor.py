@@ -1,0 +1,93 @@
+"""ForgeActor: the base of every forge_rl component that runs in its own processes.
+
+The TorchForge convention: the constructor only stores its (picklable) arguments, and the async `setup()`
+endpoint does the heavy work (load a model, start an engine), so a failure there reaches the caller as an
+exception instead of killing a process silently.
+
+    trainer = await Trainer.options(procs=2).as_actor(cfg)          # one mesh, setup() done on all ranks
+    await trainer.train_step.call(batch)                              # Monarch's own calling verbs
+    policy = await Generator.options(num_replicas=2).as_service(cfg)  # N meshes behind one handle
+    await policy.route("generate", prompt_ids, sampling)
+    await stop(trainer); await policy.stop()
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from monarch.actor import Actor, concurrent_endpoint, current_rank, endpoint
+
+from forge_rl.provisioner import get_provisioner
+
+
+class ForgeActor(Actor):
+    @endpoint
+    async def setup(self) -> None:
+        """All ranks. Heavy initialisation; override. Called once by `as_actor`/`as_service` after spawning."""
+
+    @endpoint
+    async def _bind_rank(self) -> int:
+        """All ranks. Export this process's rank for torch.distributed (the mesh-wide bootstrap can't)."""
+        rank = current_rank().rank
+        os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+        return os.getpid()
+
+    @concurrent_endpoint
+    async def ping(self) -> bool:
+        """All ranks. Health probe used by services; concurrent, so it answers while other calls run."""
+        return True
+
+    @classmethod
+    def options(cls, procs: int = 1, with_gpus: bool = False, num_replicas: int = 1, **service_options) -> "Launcher":
+        return Launcher(cls, procs, with_gpus, num_replicas, service_options)
+
+
+@dataclass
+class Launcher:
+    """How to place an actor class: `procs` processes per mesh, GPUs or not, and replicas for a service."""
+
+    actor_cls: type
+    procs: int = 1
+    with_gpus: bool = False
+    num_replicas: int = 1
+    service_options: dict | None = None
+
+    async def spawn_mesh(self, *args, **kwargs):
+        """Spawn one mesh of `procs` processes running the actor, with setup() done. Returns (procs, actor)."""
+        provisioner = get_provisioner()
+        name = self.actor_cls.__name__
+        procs = provisioner.spawn_procs(self.procs, self.with_gpus, name=name)
+        try:
+            actor = procs.spawn(name, self.actor_cls, *args, **kwargs)
+            await actor._bind_rank.call()
+            await actor.setup.call()
+        except BaseException:
+            await provisioner.stop_procs(procs)
+            raise
+        return procs, actor
+
+    async def as_actor(self, *args, **kwargs):
+        """One mesh; returns the Monarch actor mesh (call it with `.call()` / `.call_one()`)."""
+        if self.num_replicas != 1:
+            raise ValueError(f"{self.actor_cls.__name__}: as_actor() takes num_replicas=1; use as_service()")
+        procs, actor = await self.spawn_mesh(*args, **kwargs)
+        _procs_of[id(actor)] = procs
+        return actor
+
+    async def as_service(self, *args, **kwargs):
+        from forge_rl.service import Service
+
+        service = Service(self, args, kwargs, **(self.service_options or {}))
+        await service.start()
+        return service
+
+
+_procs_of: dict[int, object] = {}  # id(actor mesh from as_actor) -> its proc mesh, for stop()
+
+
+async def stop(actor) -> None:
+    """Stop an actor made by `as_actor` and its processes."""
+    procs = _procs_of.pop(id(actor), None)
+    if procs is not None:
+        await get_provisioner().stop_procs(procs)

@@ -1,0 +1,190 @@
+"""Service: N replicas of one actor mesh behind a single handle.
+
+Two verbs (STYLE.md #6): `route()` sends a call to one healthy replica, `fanout()` to every healthy replica.
+
+Invariants:
+- Every call has a timeout; a hung actor raises TimeoutError in the caller, never hangs it.
+- An exception raised inside an actor re-raises in the caller (Monarch's ActorError, with the remote
+  traceback); it says nothing about the replica's health, so it is not retried.
+- A replica whose processes died (Monarch's SupervisionError, or a failed health probe) stops receiving
+  calls at once and is restarted in the background; the call that found it dead is retried once on
+  another healthy replica.
+- Calls with the same `session` go to the same replica while it is healthy (sticky sessions keep a
+  multi-turn conversation on the replica that holds its KV cache).
+
+Lifecycle: `Launcher.as_service()` builds and starts it; `stop()` stops the health loop and every replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+
+from forge_rl.provisioner import get_provisioner
+
+logger = logging.getLogger(__name__)
+
+
+class NoHealthyReplica(RuntimeError):
+    pass
+
+
+@dataclass
+class Replica:
+    index: int
+    procs: object = None  # Monarch ProcMesh
+    actor: object = None  # Monarch actor mesh
+    healthy: bool = False
+    in_flight: int = 0
+    restarts: int = 0
+    restarting: asyncio.Task | None = field(default=None, repr=False)
+
+
+class Service:
+    def __init__(
+        self,
+        launcher,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        policy: str = "round_robin",
+        call_timeout_s: float = 300.0,
+        health_interval_s: float = 2.0,
+    ):
+        if policy not in ("round_robin", "least_loaded"):
+            raise ValueError(f"service policy {policy!r}: expected 'round_robin' or 'least_loaded'")
+        self.launcher, self.args, self.kwargs = launcher, args, kwargs or {}
+        self.name = launcher.actor_cls.__name__
+        self.policy, self.call_timeout_s, self.health_interval_s = policy, call_timeout_s, health_interval_s
+        self.replicas = [Replica(i) for i in range(launcher.num_replicas)]
+        self.sessions: dict[object, int] = {}
+        self._turn = itertools.count()
+        self._health_task: asyncio.Task | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await asyncio.gather(*(self._spawn(r) for r in self.replicas))
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def stop(self) -> None:
+        if self._health_task:
+            self._health_task.cancel()
+        for r in self.replicas:
+            if r.restarting:
+                r.restarting.cancel()
+            r.healthy = False
+            if r.procs is not None:
+                await get_provisioner().stop_procs(r.procs)
+                r.procs = r.actor = None
+
+    async def _spawn(self, replica: Replica) -> None:
+        replica.procs, replica.actor = await self.launcher.spawn_mesh(*self.args, **self.kwargs)
+        replica.healthy = True
+
+    def _mark_dead(self, replica: Replica, why: str) -> None:
+        """Stop routing to `replica` and restart it in the background (once at a time)."""
+        if not replica.healthy:
+            return
+        replica.healthy = False
+        logger.warning("%s replica %d is down (%s); restarting it", self.name, replica.index, why.splitlines()[0])
+        replica.restarting = asyncio.create_task(self._restart(replica))
+
+    async def _restart(self, replica: Replica) -> None:
+        if replica.procs is not None:
+            await get_provisioner().stop_procs(replica.procs)
+        replica.procs = replica.actor = None
+        while True:
+            try:
+                await self._spawn(replica)
+                replica.restarts += 1
+                return
+            except Exception as e:
+                logger.warning("%s replica %d failed to restart: %s", self.name, replica.index, e)
+                await asyncio.sleep(self.health_interval_s)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            for r in self.replicas:
+                if r.healthy:
+                    try:
+                        await asyncio.wait_for(r.actor.ping.call(), self.call_timeout_s)
+                    except (SupervisionError, asyncio.TimeoutError) as e:
+                        self._mark_dead(r, f"health probe: {e!r}")
+
+    # ---- calls -------------------------------------------------------------------------------------
+
+    def _pick(self, session, exclude=()) -> Replica:
+        healthy = [r for r in self.replicas if r.healthy and r.index not in exclude]
+        if not healthy:
+            raise NoHealthyReplica(f"{self.name}: no healthy replica (of {len(self.replicas)}) to take the call")
+        if session is not None and session in self.sessions:
+            sticky = self.replicas[self.sessions[session]]
+            if sticky in healthy:
+                return sticky
+        if self.policy == "least_loaded":
+            chosen = min(healthy, key=lambda r: (r.in_flight, r.index))
+        else:
+            chosen = healthy[next(self._turn) % len(healthy)]
+        if session is not None:
+            self.sessions[session] = chosen.index
+        return chosen
+
+    async def _call(self, replica: Replica, endpoint: str, args, kwargs, timeout):
+        """One replica; returns the value of a 1-proc mesh, or the list of per-rank values."""
+        method = getattr(replica.actor, endpoint)
+        replica.in_flight += 1
+        try:
+            if self.launcher.procs == 1:
+                call = method.call_one(*args, **kwargs)
+            else:
+                call = method.call(*args, **kwargs)
+            try:
+                result = await asyncio.wait_for(call, timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(
+                    f"{self.name}.{endpoint} on replica {replica.index} took longer than {timeout} s"
+                ) from None
+        finally:
+            replica.in_flight -= 1
+        return result if self.launcher.procs == 1 else [v for _, v in result.items()]
+
+    async def route(self, endpoint: str, *args, session=None, timeout: float | None = None, **kwargs):
+        """Call `endpoint` on one healthy replica; retried once elsewhere if that replica is found dead."""
+        timeout = timeout or self.call_timeout_s
+        replica = self._pick(session)
+        try:
+            return await self._call(replica, endpoint, args, kwargs, timeout)
+        except SupervisionError as e:
+            self._mark_dead(replica, str(e))
+            retry = self._pick(session, exclude={replica.index})
+            if session is not None:
+                self.sessions[session] = retry.index
+            return await self._call(retry, endpoint, args, kwargs, timeout)
+
+    async def fanout(self, endpoint: str, *args, timeout: float | None = None, **kwargs) -> list:
+        """Call `endpoint` on every healthy replica concurrently; returns their results in replica order."""
+        timeout = timeout or self.call_timeout_s
+        targets = [r for r in self.replicas if r.healthy]
+        if not targets:
+            raise NoHealthyReplica(f"{self.name}: no healthy replica to fan out {endpoint!r} to")
+        results = await asyncio.gather(
+            *(self._call(r, endpoint, args, kwargs, timeout) for r in targets), return_exceptions=True
+        )
+        for r, res in zip(targets, results):
+            if isinstance(res, SupervisionError):
+                self._mark_dead(r, str(res))
+        errors = [res for res in results if isinstance(res, BaseException)]
+        if errors:
+            raise errors[0]
+        return results
+
+    async def wait_healthy(self, timeout: float = 120.0) -> None:
+        """Wait until every replica is healthy again (after restarts)."""
+        async with asyncio.timeout(timeout):
+            while not all(r.healthy for r in self.replicas):
+                await asyncio.sleep(0.1)
