@@ -1,0 +1,302 @@
+"""YAML configuration: OmegaConf for files, interpolation and dotted overrides; typed dataclasses for checking.
+
+A run's config is read once, merged with command-line overrides (`trainer.optimizer.lr=2e-6`), resolved
+(`${...}` interpolation) and then converted into the dataclasses below. Conversion rejects unknown keys,
+missing required keys, wrong types and impossible values with one line that names the key and the file,
+before anything is launched (TorchForge's YAML style; typed and validated as STYLE.md #13 asks).
+
+Usage:
+    cfg = load_config("configs/blackjack_tiny_cpu.yaml", ["group_size=16"])
+    cfg = parse_cli()          # --config FILE [key=value ...], exits with status 2 on bad input
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """Bad configuration; the message is one line naming the key, the file and what was expected."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The schema. Every key a user tunes; defaults are the tiny CPU run's. Comments in configs/*.yaml
+# explain each key to users; here `check()` states what values are possible.
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # HF model id or local HF directory; None builds the tiny model
+    tiny_seed: int = 0  # seed of the tiny model built when path is None
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclass
+class EnvConfig:
+    url: Optional[str] = None  # a running OpenEnv server, e.g. http://blackjack:8000
+    server: Optional[str] = None  # or "module:Class" to launch on loopback for local runs
+    max_concurrent: int = 16  # sessions the local server accepts (MAX_CONCURRENT_ENVS)
+    timeout_s: float = 30.0  # per call to the environment
+
+    def check(self, key):
+        if (self.url is None) == (self.server is None):
+            raise ConfigError(f"{key}: set exactly one of env.url or env.server")
+        _positive(self, key, "max_concurrent", "timeout_s")
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 4  # per turn
+    constrained: bool = True  # restrict answers to the app's legal strings (vLLM structured outputs)
+
+    def check(self, key):
+        _positive(self, key, "max_tokens", "top_p")
+        if self.temperature < 0:
+            raise ConfigError(f"{key}.temperature: expected >= 0, got {self.temperature}")
+
+
+@dataclass
+class GRPOConfig:
+    group_size: int = 8  # games per group, dealt from the same seed
+    batch_size: int = 4  # groups per train step
+    max_policy_age: int = 1  # drop data sampled more than this many versions ago
+    normalize_std: bool = True  # False: Dr.GRPO advantages (no division by the group std)
+    clip_low: float = 0.2  # PPO clip, ratio >= 1 - clip_low
+    clip_high: float = 0.28  # DAPO clip-higher, ratio <= 1 + clip_high
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    entropy_coef: float = 0.0
+    filter_zero_spread: bool = True  # DAPO dynamic sampling: skip groups whose rewards are all equal
+
+    def check(self, key):
+        if self.group_size < 2:
+            raise ConfigError(f"{key}.group_size: expected >= 2 (advantages compare a group), got {self.group_size}")
+        _positive(self, key, "batch_size")
+        _non_negative(self, key, "max_policy_age", "clip_low", "clip_high", "kl_coef", "entropy_coef")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    max_grad_norm: float = 1.0
+
+    def check(self, key):
+        _positive(self, key, "lr", "max_grad_norm")
+        _non_negative(self, key, "weight_decay", "warmup_steps")
+
+
+@dataclass
+class TrainerConfig:
+    procs: int = 1  # ranks; > 1 shards with FSDP2
+    max_steps: int = 100
+    checkpoint_every: int = 50  # steps; 0 disables
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+    def check(self, key):
+        _positive(self, key, "procs", "max_steps")
+        _non_negative(self, key, "checkpoint_every")
+
+
+@dataclass
+class GeneratorConfig:
+    num_replicas: int = 1
+    procs: int = 1  # tensor-parallel ranks per replica
+    max_model_len: int = 1024
+    gpu_memory_utilization: float = 0.05  # on CPU: share of host memory for the KV cache
+
+    def check(self, key):
+        _positive(self, key, "num_replicas", "procs", "max_model_len")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"{key}.gpu_memory_utilization: expected in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class ReferenceConfig:
+    num_replicas: int = 1
+
+    def check(self, key):
+        _positive(self, key, "num_replicas")
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = 2  # concurrent game-playing tasks on the controller
+    max_turns: int = 8  # decisions per game before it is cut off
+    invalid_action_penalty: float = -1.0  # reward of a game ended by an unparseable answer
+
+    def check(self, key):
+        _positive(self, key, "num_workers", "max_turns")
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 10  # train steps between evaluations; 0 disables
+    num_games: int = 200  # fixed seeded deals, greedy decoding
+    seed: int = 1_000_000  # first seed of the evaluation deals (disjoint from training seeds)
+
+    def check(self, key):
+        _non_negative(self, key, "interval")
+        _positive(self, key, "num_games")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    wandb_project: Optional[str] = None  # set to log to Weights & Biases
+
+
+@dataclass
+class RunConfig:
+    env: EnvConfig
+    run_dir: str = "runs/default"
+    seed: int = 0
+    resume: bool = False
+    synchronous: bool = False  # True: generate a batch, then train on it (no overlap)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def _positive(section, key, *names):
+    for name in names:
+        if getattr(section, name) <= 0:
+            raise ConfigError(f"{key}.{name}: expected > 0, got {getattr(section, name)}")
+
+
+def _non_negative(section, key, *names):
+    for name in names:
+        if getattr(section, name) < 0:
+            raise ConfigError(f"{key}.{name}: expected >= 0, got {getattr(section, name)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading and checking.
+
+
+def load_config(path: str | Path, overrides: list[str] = (), schema: type = RunConfig):
+    """Read `path`, apply dotted `overrides`, resolve interpolation, return a checked `schema` instance.
+
+    Raises ConfigError with a one-line message naming the key and the file.
+    """
+    path = Path(path)
+    where = f"in {path}" + (" (with overrides)" if overrides else "")
+    try:
+        raw = OmegaConf.load(path)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (OmegaConfBaseException, ValueError) as e:  # YAML syntax errors surface as ValueError subclasses
+        raise ConfigError(f"{path}: not valid YAML: {_one_line(e)}") from None
+    try:
+        merged = OmegaConf.merge(raw, OmegaConf.from_dotlist(list(overrides)))
+        data = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise ConfigError(f"{key}: {_one_line(e)} {where}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    try:
+        return _to_dataclass(schema, data, "")
+    except ConfigError as e:
+        raise ConfigError(f"{e} {where}") from None
+
+
+def parse_cli(argv: list[str] | None = None, schema: type = RunConfig):
+    """`--config FILE [key=value ...]` -> checked config. Bad input: one line on stderr, exit status 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
+        _exit_with("usage: --config FILE [dotted.key=value ...]")
+    i = argv.index("--config")
+    path, overrides = argv[i + 1], argv[:i] + argv[i + 2 :]
+    bad = [o for o in overrides if "=" not in o or o.startswith("-")]
+    if bad:
+        _exit_with(f"override {bad[0]!r} is not of the form dotted.key=value")
+    try:
+        return load_config(path, overrides, schema)
+    except ConfigError as e:
+        _exit_with(f"config error: {e}")
+
+
+def to_yaml(cfg) -> str:
+    """The resolved config as YAML, saved beside a run's logs so it can be reproduced."""
+    return OmegaConf.to_yaml(OmegaConf.create(dataclasses.asdict(cfg)))
+
+
+def _exit_with(message: str):
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split("\n")[0].split())
+
+
+def _to_dataclass(cls, data: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in data:
+        if name not in fields:
+            raise ConfigError(f"{prefix}{name}: unknown key (known: {', '.join(fields)})")
+    values = {}
+    for name, f in fields.items():
+        key = prefix + name
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{key}: missing required key")
+            continue
+        values[name] = _convert(hints[name], data[name], key)
+    obj = cls(**values)
+    if hasattr(obj, "check"):
+        obj.check(prefix.rstrip(".") or cls.__name__)
+    return obj
+
+
+def _convert(tp, value, key: str):
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(inner, value, key)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: expected one of {', '.join(map(repr, args))}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a section (mapping), got {value!r}")
+        return _to_dataclass(tp, value, key + ".")
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and (type(value) is not tp):
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def dump(cfg, path: Path) -> None:
+    """Write the resolved config to `path` (creating its folder)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_yaml(cfg))
+
+
+__all__ = ["ConfigError", "RunConfig", "load_config", "parse_cli", "to_yaml", "dump"]
