@@ -1,0 +1,111 @@
+"""ReplayBuffer: whole groups, staleness eviction, bounded size, DAPO filter; and its actor."""
+
+import asyncio
+
+import pytest
+import torch
+
+from forge_rl.actor import stop
+from forge_rl.replay_buffer import ReplayBuffer, ReplayBufferActor
+from forge_rl.types import Episode
+
+
+def episode(group_id: str, version: int, reward: float) -> Episode:
+    return Episode(
+        tokens=torch.tensor([1, 2, 3, 4]),
+        loss_mask=torch.tensor([0, 0, 1, 1]),
+        behaviour_logprobs=torch.tensor([0.0, 0.0, -0.5, -0.7]),
+        reward=reward,
+        policy_version=version,
+        group_id=group_id,
+    )
+
+
+def group(group_id: str, version: int, rewards=(0.0, 1.0)) -> list[Episode]:
+    return [episode(group_id, version, r) for r in rewards]
+
+
+def test_sample_returns_whole_groups_oldest_first_or_none():
+    buf = ReplayBuffer(batch_size=2, max_policy_age=5)
+    assert buf.sample(current_version=0) is None  # never blocks
+    buf.add(group("a", 0, rewards=(0, 1, 1)))
+    assert buf.sample(0) is None and len(buf) == 1  # one group is not a batch; nothing consumed
+    buf.add(group("b", 0, rewards=(1, 0, 0)))
+    buf.add(group("c", 0, rewards=(1, 0, 1)))
+    batch = buf.sample(0)
+    assert [e.group_id for e in batch] == ["a"] * 3 + ["b"] * 3  # FIFO, flat, whole groups
+    assert len(buf) == 1 and buf.sample(0) is None  # sampled groups are removed
+    assert buf.stats()["sampled"] == 2
+
+
+def test_stale_groups_are_evicted_and_never_sampled():
+    buf = ReplayBuffer(batch_size=2, max_policy_age=1)
+    buf.add(group("v0", 0))
+    buf.add(group("v1", 1))
+    buf.add([episode("mixed", 3, 0.0), episode("mixed", 1, 1.0)])  # as old as its oldest episode: 1
+    buf.add(group("v2", 2))
+    batch = buf.sample(current_version=2)  # allowed versions: >= 1
+    assert [e.group_id for e in batch] == ["v1", "v1", "mixed", "mixed"]
+    assert buf.stats()["evicted_stale"] == 1
+    assert buf.sample(current_version=4) is None  # v2 is now too old as well
+    assert buf.stats()["evicted_stale"] == 2 and len(buf) == 0
+
+
+def test_on_policy_only_with_max_policy_age_zero():
+    buf = ReplayBuffer(batch_size=1, max_policy_age=0)
+    buf.add(group("old", 4))
+    buf.add(group("new", 5))
+    assert {e.group_id for e in buf.sample(5)} == {"new"}
+
+
+def test_bounded_size_drops_oldest():
+    buf = ReplayBuffer(batch_size=1, max_policy_age=10, max_groups=2)
+    for name in "abc":
+        buf.add(group(name, 0))
+    assert buf.stats()["evicted_overflow"] == 1 and len(buf) == 2
+    assert buf.sample(0)[0].group_id == "b"
+
+
+def test_zero_spread_filter():
+    buf = ReplayBuffer(batch_size=1, max_policy_age=1, filter_zero_spread=True)
+    assert buf.add(group("flat", 0, rewards=(1.0, 1.0, 1.0))) is False
+    assert buf.add(group("spread", 0, rewards=(1.0, 0.0, 1.0))) is True
+    assert buf.stats()["filtered_zero_spread"] == 1 and len(buf) == 1
+    unfiltered = ReplayBuffer(batch_size=1, max_policy_age=1)
+    assert unfiltered.add(group("flat", 0, rewards=(1.0, 1.0))) is True
+
+
+def test_bad_input_is_refused_with_a_reason():
+    buf = ReplayBuffer(batch_size=1, max_policy_age=1)
+    with pytest.raises(ValueError, match="several groups"):
+        buf.add([episode("a", 0, 0.0), episode("b", 0, 1.0)])
+    buf.add(group("a", 0))
+    with pytest.raises(ValueError, match="added twice"):
+        buf.add(group("a", 0))
+    with pytest.raises(ValueError, match="empty"):
+        buf.add([])
+    with pytest.raises(ValueError, match="max_groups"):
+        ReplayBuffer(batch_size=4, max_policy_age=1, max_groups=2)
+    with pytest.raises(ValueError, match="one entry per token"):
+        Episode(torch.tensor([1, 2]), torch.tensor([0]), torch.tensor([0.0, 0.0]), 0.0, 0, "x")
+
+
+def test_actor_endpoints():
+    async def main():
+        actor = await ReplayBufferActor.options().as_actor(batch_size=2, max_policy_age=1, filter_zero_spread=True)
+        try:
+            assert await actor.add.call_one(group("a", 3)) is True
+            assert await actor.add.call_one(group("flat", 3, rewards=(0.0, 0.0))) is False
+            assert await actor.sample.call_one(3) is None
+            await actor.add.call_one(group("b", 4))
+            batch = await actor.sample.call_one(4)
+            assert [e.group_id for e in batch] == ["a", "a", "b", "b"]
+            torch.testing.assert_close(batch[0].behaviour_logprobs, torch.tensor([0.0, 0.0, -0.5, -0.7]))
+            await actor.add.call_one(group("c", 4))
+            await actor.clear.call_one()
+            stats = await actor.stats.call_one()
+            assert stats["groups"] == 0 and stats["filtered_zero_spread"] == 1 and stats["sampled"] == 2
+        finally:
+            await stop(actor)
+
+    asyncio.run(main())
