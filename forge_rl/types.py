@@ -28,3 +28,28 @@ class Episode:
                 f"Episode {self.group_id!r}: tokens, loss_mask and behaviour_logprobs must have one entry per token, "
                 f"got {len(self.tokens)}, {len(self.loss_mask)}, {len(self.behaviour_logprobs)}"
             )
+
+
+@dataclass
+class Completion:
+    """One sample the Generator drew for one prompt (`Generator.generate` returns n per prompt).
+
+    The rollout loop turns the completions of an episode's turns into one Episode: token_ids become
+    trained tokens (loss_mask 1), logprobs their behaviour_logprobs, the lowest policy_version its own.
+    Lists, not tensors: a completion is a few tokens and crosses a process boundary as it is.
+    """
+
+    prompt_ids: list[int]  # [P] token ids of the prompt, exactly as the engine saw them
+    token_ids: list[int]  # [T] ids the policy sampled, in order; ends with the stop token when one ended it
+    # [T] log-prob of each sampled token under the distribution it was sampled from: after temperature,
+    # top-p/top-k and, with `choices`, renormalised over the tokens the constraint allowed (vLLM masks
+    # logits before sampling). A trainer scoring the same tokens over the full vocabulary at temperature
+    # 1 gets the same numbers only for unconstrained sampling at temperature 1 and top_p 1.
+    logprobs: list[float]
+    text: str  # token_ids decoded, special tokens skipped: what an app parses its action from
+    finish_reason: str  # "stop" (stop token/string), "length" (max_tokens reached) or "abort" (cancelled)
+    policy_version: int  # the weights version that sampled every token of it (0: the initial weights)
+
+    def __post_init__(self):
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"Completion: {len(self.token_ids)} token_ids but {len(self.logprobs)} logprobs")
