@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -205,7 +206,7 @@ def load_config(path: str | Path, overrides: list[str] = (), schema: type = RunC
         raw = OmegaConf.load(path)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
-    except (OmegaConfBaseException, ValueError) as e:  # YAML syntax errors surface as ValueError subclasses
+    except (OmegaConfBaseException, yaml.YAMLError) as e:
         raise ConfigError(f"{path}: not valid YAML: {_one_line(e)}") from None
     try:
         merged = OmegaConf.merge(raw, OmegaConf.from_dotlist(list(overrides)))
@@ -300,3 +301,8 @@ def dump(cfg, path: Path) -> None:
 
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "parse_cli", "to_yaml", "dump"]
+
+
+if __name__ == "__main__":
+    # `python -m forge_rl.config --config FILE [overrides]`: check a config and print it resolved.
+    print(to_yaml(parse_cli()), end="")
