@@ -1,0 +1,25 @@
+# The two commands of the README: `make train` and `make test`. Both install first (fast when done).
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+CONFIG ?= configs/blackjack_tiny_cpu.yaml
+export PYTHONPATH := $(CURDIR)
+
+.PHONY: install train test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml scripts/install.sh
+	bash scripts/install.sh
+	touch $@
+
+train: install  ## the main job: GRPO on BlackJack with CONFIG (+ ARGS="key=value ...")
+	$(PYTHON) -m apps.blackjack.main --config $(CONFIG) $(ARGS)
+
+test: install  ## the whole suite (real Monarch, vLLM, TorchStore, OpenEnv servers on 127.0.0.1)
+	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+bench: install
+	for b in bench/*.py; do echo "== $$b"; $(PYTHON) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Creates .venv and installs forge_rl with the versions verified together (see pyproject.toml).
+# Called by `make install`; safe to re-run. Every step is printed; the first failure stops with its reason.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+
+step() { echo "+ $*"; "$@" || { echo "install: step failed: $*" >&2; exit 1; }; }
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    machine=gpu
+else
+    machine=cpu
+fi
+echo "install: NVIDIA driver $( [ $machine = gpu ] && echo found || echo 'not found' ): the $machine path"
+
+[ -x "$VENV/bin/python" ] || step "$PYTHON" -m venv "$VENV"
+pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
+
+# torch first, pinned: on CPU machines pip takes the CPU build of 2.13.0 that lies on disk; asked for
+# indirectly (by vllm) it could pick a multi-GB CUDA build instead.
+step "${pip[@]}" install --quiet torch==2.13.0
+step "${pip[@]}" install --quiet -e ".[$machine,test]"
+# torchstore 0.1.2's metadata pins torch 2.9 and torchmonarch 0.1.2; it runs on ours (see forge_rl/store.py).
+step "${pip[@]}" install --quiet --no-deps torchstore==0.1.2
+if [ $machine = cpu ]; then
+    # pip pulls CUDA-built torchvision/torchaudio/torchcodec with vllm; beside the CPU torch they break
+    # `import transformers`. Nothing here uses them.
+    step "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec
+fi
+step "$VENV/bin/python" -c "import vllm, monarch, torchstore, torchtitan, openenv, pyspiel, transformers"
+echo "install: done ($machine)"
