@@ -1,0 +1,306 @@
+"""Run untrusted Python in a fresh child process, never in the server's interpreter.
+
+Every call of `Sandbox.run` starts one child, feeds it the program and its tests on stdin,
+and reads stdout, stderr and the per-test results (a pipe on its own descriptor) until it exits
+or the wall clock runs out. Two isolation modes, picked once at construction:
+
+  bwrap    bubblewrap with every namespace unshared: read-only view of `/`, no network, own PID
+           namespace (the server is invisible, killing bwrap kills every descendant), a private
+           size-capped tmpfs as the working directory that vanishes with the run.
+  rlimits  a plain child in its own session, working in a fresh temporary directory removed
+           afterwards. Network and filesystem are those of the server's user.
+
+Both modes apply rlimits (CPU seconds, address space, file size, processes, no core files) and a
+scrubbed environment. Run as root, each call also gets its own unused uid, so RLIMIT_NPROC (which
+root ignores) holds, the server's files and /proc entries are out of reach, and leftover
+processes of the run are swept with `kill(-1)` as that uid.
+
+What this is not: a boundary against reward hacking. The tests run in the program's process, so
+a program written to forge its own results can. Grade out of process when that matters.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import resource
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+# Runs inside the child: reads {"code", "tests"} from stdin, runs the program as __main__, then
+# each test in a copy of the program's globals, writing one JSON line per test to fd argv[1]
+# (line by line, so a run that times out still reports the tests that finished).
+_HARNESS = r"""
+import json, os, sys, traceback
+fd = int(sys.argv[1]); job = json.loads(sys.stdin.read()); sys.stdin.close()
+ns = {"__name__": "__main__", "__builtins__": __builtins__}
+status = 0
+try:
+    exec(compile(job["code"], "main.py", "exec"), ns)
+except SystemExit as e:
+    status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+except BaseException:
+    traceback.print_exc(); status = 1
+for i, test in enumerate(job["tests"]):
+    sys.stdout.flush(); sys.stderr.flush()
+    try:
+        exec(compile(test, f"test_{i}", "exec"), dict(ns)); err = None
+    except BaseException as e:
+        err = f"{type(e).__name__}: {e}"[:300]
+    os.write(fd, (json.dumps({"test": i, "error": err}) + "\n").encode())
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(status)
+"""
+
+_UID_POOL_SIZE = 256
+_UID_BASE = 2_000_000_000
+
+
+@dataclass
+class Limits:
+    """Per-run limits. cpu_s defaults to the wall-clock timeout rounded up, plus one."""
+
+    timeout_s: float = 10.0
+    cpu_s: int | None = None
+    memory_mb: int = 1024  # address space (RLIMIT_AS)
+    file_size_mb: int = 16  # largest file the program may write (RLIMIT_FSIZE)
+    max_processes: int = 32  # RLIMIT_NPROC, for this run's uid when the server is root
+    tmpfs_mb: int = 64  # working directory size in bwrap mode
+    output_bytes: int = 64 * 1024  # stdout/stderr kept per stream; the rest is dropped
+    output_kill_bytes: int = 16 * 1024 * 1024  # total output past which the run is killed
+
+
+@dataclass
+class ExecutionResult:
+    """What one run produced. tests_passed/tests_total are None when no tests were given."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None  # None when killed by the timeout; negative = killed by that signal
+    timed_out: bool
+    truncated: bool
+    tests_passed: int | None = None
+    tests_total: int | None = None
+    test_errors: list[str | None] = field(default_factory=list)
+    duration_s: float = 0.0
+
+
+def _executable_by_anyone(path: str) -> bool:
+    """Whether a different uid can run `path`: every parent searchable, the file executable."""
+    path = os.path.realpath(path)
+    parts = [path] + [os.path.dirname(path)]
+    while parts[-1] != "/":
+        parts.append(os.path.dirname(parts[-1]))
+    return all(os.stat(p).st_mode & stat.S_IXOTH for p in parts)
+
+
+def default_python() -> str:
+    """SANDBOX_PYTHON if set; else this interpreter if another uid can run it; else the system's."""
+    if os.environ.get("SANDBOX_PYTHON"):
+        return os.environ["SANDBOX_PYTHON"]
+    if os.geteuid() != 0 or _executable_by_anyone(sys.executable):
+        return sys.executable
+    return "/usr/bin/python3"
+
+
+def _bwrap_argv(tmpfs_mb: int) -> list[str]:
+    return [
+        "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+        "--size", str(tmpfs_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp",
+        "--unshare-all", "--die-with-parent", "--new-session",
+    ]  # fmt: skip
+
+
+def detect_isolation(python: str | None = None) -> str:
+    """'bwrap' if bubblewrap can start a sandbox here (as the uid runs will use), else 'rlimits'."""
+    if shutil.which("bwrap") is None:
+        return "rlimits"
+    user = {"user": 65534, "group": 65534, "extra_groups": []} if os.geteuid() == 0 else {}
+    try:
+        proc = subprocess.run(
+            _bwrap_argv(1) + [python or default_python(), "-c", "pass"],
+            capture_output=True, timeout=10, env={"PATH": "/usr/bin:/bin"}, **user,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "rlimits"
+    return "bwrap" if proc.returncode == 0 else "rlimits"
+
+
+class Sandbox:
+    """Executes programs one child process per call; thread-safe, one Sandbox per server.
+
+    Invariant: when `run` returns, no process of that run is left (the PID namespace dies with
+    bwrap; in rlimits mode the process group is killed and, as root, the run's uid is swept),
+    and its working directory is gone. The uid of a run is back in the pool only after that.
+    """
+
+    def __init__(self, limits: Limits | None = None, isolation: str = "auto", python: str | None = None):
+        if isolation not in ("auto", "bwrap", "rlimits"):
+            raise ValueError(f"isolation must be 'auto', 'bwrap' or 'rlimits', got {isolation!r}")
+        self.limits = limits or Limits()
+        self.python = python or default_python()
+        self.isolation = detect_isolation(self.python) if isolation == "auto" else isolation
+        self._as_root = os.geteuid() == 0
+        # Uids far above any login or subuid range (those start at 1000 and 100000), spread by pid
+        # so two servers on one host do not share, and sweep, each other's.
+        base = _UID_BASE + (os.getpid() % 4096) * _UID_POOL_SIZE
+        self._uids: queue.Queue[int] = queue.Queue()
+        for uid in range(base, base + _UID_POOL_SIZE):
+            self._uids.put(uid)
+
+    def run(self, code: str, tests: list[str] | None = None, timeout_s: float | None = None) -> ExecutionResult:
+        """Run `code` (then `tests`, if any) in a fresh child; blocks until it ends or times out."""
+        timeout = min(timeout_s or self.limits.timeout_s, self.limits.timeout_s)
+        uid = self._uids.get() if self._as_root else None
+        workdir = None
+        try:
+            if self.isolation == "rlimits":
+                workdir = tempfile.mkdtemp(prefix="forge_sandbox_")
+                if uid is not None:
+                    os.chown(workdir, uid, uid)
+            return self._run(code, list(tests or []), timeout, uid, workdir)
+        finally:
+            if uid is not None and self.isolation == "rlimits":
+                # Everything this uid still runs belongs to this run: daemons, fork-bomb leftovers.
+                subprocess.run(["kill", "-9", "-1"], user=uid, group=uid, extra_groups=[],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            if workdir is not None:
+                shutil.rmtree(workdir, ignore_errors=True)
+            if uid is not None:
+                self._uids.put(uid)
+
+    def _preexec(self, timeout: float):
+        lim = self.limits
+        cpu = lim.cpu_s or math.ceil(timeout) + 1
+        nproc = lim.max_processes
+        if not self._as_root:  # the server's own uid: its threads count against the limit too
+            nproc += len(os.listdir("/proc/self/task"))
+
+        def apply() -> None:
+            for what, value in (
+                (resource.RLIMIT_CPU, cpu),
+                (resource.RLIMIT_AS, lim.memory_mb << 20),
+                (resource.RLIMIT_FSIZE, lim.file_size_mb << 20),
+                (resource.RLIMIT_NPROC, nproc),
+                (resource.RLIMIT_CORE, 0),
+            ):
+                resource.setrlimit(what, (value, value))
+
+        return apply
+
+    def _run(self, code: str, tests: list[str], timeout: float, uid: int | None, workdir: str | None) -> ExecutionResult:
+        result_r, result_w = os.pipe()
+        argv = [self.python, "-I", "-c", _HARNESS, str(result_w)]
+        if self.isolation == "bwrap":
+            argv = _bwrap_argv(self.limits.tmpfs_mb) + argv
+        home = workdir or "/tmp"
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8",
+               "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
+        user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=(result_w,), cwd=workdir or "/", env=env, start_new_session=True,
+                preexec_fn=self._preexec(timeout), **user,
+            )  # fmt: skip
+        finally:
+            os.close(result_w)
+        job = json.dumps({"code": code, "tests": tests}).encode()
+        streams, timed_out, killed_for_output = self._pump(proc, job, result_r, start + timeout)
+        exit_code = None if timed_out else proc.returncode
+        out, err, results = (bytes(streams[k]) for k in ("stdout", "stderr", "results"))
+        truncated = streams["dropped"] > 0
+        stderr = err.decode("utf-8", "replace")
+        if killed_for_output:
+            stderr += f"\n[output exceeded {self.limits.output_kill_bytes} bytes: process killed]"
+        if timed_out:
+            stderr += f"\n[timed out after {timeout:g} s: process killed]"
+        errors: list[str | None] = ["did not run"] * len(tests)
+        for line in results.decode("utf-8", "replace").splitlines():
+            try:
+                rec = json.loads(line)
+                errors[int(rec["test"])] = rec["error"]
+            except (ValueError, KeyError, IndexError, TypeError):
+                continue
+        return ExecutionResult(
+            stdout=out.decode("utf-8", "replace"), stderr=stderr, exit_code=exit_code,
+            timed_out=timed_out, truncated=truncated,
+            tests_passed=sum(e is None for e in errors) if tests else None,
+            tests_total=len(tests) if tests else None, test_errors=errors,
+            duration_s=time.monotonic() - start,
+        )  # fmt: skip
+
+    def _pump(self, proc: subprocess.Popen, job: bytes, result_r: int, deadline: float):
+        """Feed stdin, drain the outputs (keeping a capped prefix) until exit, timeout or flood.
+
+        Stops when every output is closed, or when the child has exited and what is already in the
+        pipes is read (a leftover grandchild holding stdout open must not stretch the run).
+        """
+        lim = self.limits
+        kept = {"stdout": bytearray(), "stderr": bytearray(), "results": bytearray(), "dropped": 0}
+        sel = selectors.DefaultSelector()
+        for name, fileobj in (("stdout", proc.stdout), ("stderr", proc.stderr), ("results", result_r)):
+            sel.register(fileobj, selectors.EVENT_READ, name)
+        os.set_blocking(proc.stdin.fileno(), False)
+        sel.register(proc.stdin, selectors.EVENT_WRITE, "stdin")
+        sent, total, timed_out, flooded = 0, 0, False, False
+        try:
+            while len(sel.get_map()) > (1 if sent < len(job) else 0) and not flooded:
+                exited = proc.poll() is not None
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    timed_out = True
+                    break
+                ready = sel.select(0 if exited else min(remaining, 0.1))
+                if exited and not any(key.data != "stdin" for key, _ in ready):
+                    break
+                for key, _ in ready:
+                    if key.data == "stdin":
+                        try:
+                            sent += os.write(key.fd, job[sent : sent + 65536])
+                        except BlockingIOError:
+                            pass
+                        except BrokenPipeError:
+                            sent = len(job)
+                        if sent >= len(job):
+                            sel.unregister(key.fileobj)
+                            proc.stdin.close()
+                        continue
+                    chunk = os.read(key.fd, 1 << 16)
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        continue
+                    total += len(chunk)
+                    buf = kept[key.data]
+                    room = len(chunk) if key.data == "results" else max(0, lim.output_bytes - len(buf))
+                    buf += chunk[:room]
+                    kept["dropped"] += max(0, len(chunk) - room)
+                    flooded = total > lim.output_kill_bytes
+            if not timed_out and not flooded:
+                try:
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+        finally:
+            sel.close()
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # bwrap's PID namespace takes the rest
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+            for f in (proc.stdin, proc.stdout, proc.stderr):
+                if not f.closed:
+                    f.close()
+            os.close(result_r)
+        return kept, timed_out, flooded
