@@ -11,8 +11,9 @@ RUN apt-get update \
 
 WORKDIR /opt/forge_rl
 COPY . .
-# No GPU is visible while an image builds, so the GPU path is named rather than detected.
-RUN make install DEVICE=gpu
+# No GPU is visible while an image builds, so the GPU path is named rather than detected
+# (scripts/install.sh otherwise picks it when nvidia-smi finds a GPU).
+RUN MACHINE=gpu make install
 ENV PATH=/opt/forge_rl/.venv/bin:$PATH
 
 # The trainer and the BlackJack server run as this user (runAsUser in k8s/); the code interpreter
