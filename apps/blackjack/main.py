@@ -1,0 +1,393 @@
+"""GRPO on BlackJack: the whole training job in one file.
+
+    python -m apps.blackjack.main --config configs/blackjack_tiny_cpu.yaml [dotted.key=value ...]
+
+Dataflow (each box a Monarch actor mesh or service, the loops asyncio tasks on this controller):
+
+    BlackJack server ◀──action── rollout workers ──prompt ids──▶ policy service (vLLM Generators)
+         (OpenEnv)   ──obs────▶  (G games per seed) ◀─completions (ids, log-probs, version)─┘
+                                       │ one group = G games dealt from the same seed
+                                       ▼
+                                 replay buffer ──batch──▶ training loop ──train_step──▶ Trainer (TorchTitan)
+                                  (drops data older than       │ (reference log-probs      │ push_weights(v)
+                                   max_policy_age)             │  when kl_coef > 0)        ▼
+                                                               └─update_weights(v)◀── TorchStore
+
+- Rollout workers (`rollout_worker`) consume a seed, play G games on it concurrently, and put the
+  group in the replay buffer. They never wait for training; the buffer drops what grows too stale.
+- The training loop (`train`) waits only for the buffer to hold a batch, trains one step, pushes the
+  weights as version v+1, and has every generator load them before the next step.
+- `synchronous: true` instead alternates: collect a batch with the current weights, then train.
+
+One game is one episode; its turns are one token sequence (forge_rl.rollout.Conversation): what the
+policy sampled is kept as sampled, each new observation is tokenized alone and appended. The prompt,
+the parsing of the answer and the reward are apps/blackjack/game.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from apps.blackjack import game
+from forge_rl import store
+from forge_rl.actor import stop
+from forge_rl.config import RunConfig, dump, parse_cli
+from forge_rl.envs.client import EnvSession, EpisodeAborted, env_url
+from forge_rl.generator import Generator
+from forge_rl.metrics import MetricsLogger, plot_curves
+from forge_rl.reference import ReferenceModel
+from forge_rl.replay_buffer import ReplayBufferActor
+from forge_rl.rollout import Conversation
+from forge_rl.trainer import Trainer
+from forge_rl.types import Episode
+
+logger = logging.getLogger("blackjack")
+
+# EV per hand of reference policies under OpenSpiel's rules (shared/reference/blackjack.md).
+REFERENCE_EV = {"optimal -0.043": -0.0425, "mimic dealer -0.080": -0.080, "always stand -0.183": -0.183, "random -0.393": -0.393}
+
+
+# ---------------------------------------------------------------------------------------------------
+# One game
+
+
+@dataclass
+class GameResult:
+    episode: Episode | None  # None when the game had no decision or was aborted
+    reward: float
+    invalid: bool  # ended by an answer that was neither HIT nor STAND
+    aborted: bool = False  # the environment session was lost and could not be restored
+
+
+@dataclass
+class Run:
+    """What the loops share. The policy version is the one the generators serve."""
+
+    cfg: RunConfig
+    tokenizer: object
+    env_url: str
+    policy: object  # Service of Generators
+    trainer: object  # Trainer actor mesh
+    buffer: object  # ReplayBufferActor
+    reference: object | None  # Service of ReferenceModels (kl_coef > 0)
+    metrics: MetricsLogger
+    env_slots: asyncio.Semaphore  # at most env.max_concurrent sessions open at once
+    version: int = 0
+    step: int = 0
+    next_seed: int = 0
+    episodes_played: int = 0
+    aborted_games: int = 0
+    recent: list = field(default_factory=list)  # (reward, invalid) of recent training games
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def prompt_ids(tokenizer, observation: dict, first_turn: bool) -> list[int]:
+    """Token ids of one user turn and the assistant header, tokenized on their own.
+
+    The first turn comes from the chat template; later turns continue a conversation whose earlier ids
+    are kept as sampled, so only the new text is tokenized (never the whole conversation again).
+    """
+    message = [{"role": "user", "content": game.render_prompt(observation)}]
+    text = tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
+    if not first_turn:
+        text = "\n" + text  # the newline the chat template puts after the previous <|im_end|>
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def sampling(cfg: RunConfig, greedy: bool = False) -> dict:
+    params = {"temperature": 0.0 if greedy else cfg.sampling.temperature, "max_tokens": cfg.sampling.max_tokens}
+    if not greedy:
+        params["top_p"] = cfg.sampling.top_p
+    if cfg.sampling.constrained:
+        params["choices"] = list(game.ACTIONS)
+    return params
+
+
+async def play_game(run: Run, seed: int, group_id: str, greedy: bool = False) -> GameResult:
+    """One whole game on its own environment session: observe, ask the policy, act, until done."""
+    cfg = run.cfg
+    async with run.env_slots:
+        session = EnvSession(run.env_url, timeout_s=cfg.env.timeout_s)
+        try:
+            observation = (await session.reset(seed=seed)).observation
+            conversation, invalid = Conversation(prompt_ids(run.tokenizer, observation, True)), False
+            for turn in range(cfg.rollout.max_turns):
+                if observation["done"]:
+                    break
+                if turn:
+                    conversation.add_turn(prompt_ids(run.tokenizer, observation, False))
+                (completion,) = await run.policy.route("generate", conversation.prompt_ids, sampling(cfg, greedy))
+                conversation.add_completion(completion)
+                action = game.parse_action(completion.text)
+                if action is None:
+                    invalid = True
+                    break
+                observation = (await session.step(action)).observation
+        except EpisodeAborted as e:
+            logger.warning("game on seed %d dropped: %s", seed, e)
+            return GameResult(None, 0.0, False, aborted=True)
+        finally:
+            await session.close()
+    reward = game.reward(observation, invalid, cfg.rollout.invalid_action_penalty)
+    episode = conversation.to_episode(reward, group_id) if conversation.versions else None
+    return GameResult(episode, reward, invalid)
+
+
+async def play_group(run: Run, seed: int) -> list[Episode] | None:
+    """G games dealt from one seed: the group GRPO compares (same cards, different decisions)."""
+    results = await asyncio.gather(*(play_game(run, seed, f"seed{seed}") for _ in range(run.cfg.grpo.group_size)))
+    run.episodes_played += len(results)
+    run.aborted_games += sum(r.aborted for r in results)
+    run.recent = (run.recent + [(r.reward, r.invalid) for r in results if not r.aborted])[-2000:]
+    episodes = [r.episode for r in results if r.episode is not None]
+    return episodes if len(episodes) == len(results) else None  # a group with a dropped game is not comparable
+
+
+# ---------------------------------------------------------------------------------------------------
+# The loops
+
+
+async def rollout_worker(run: Run) -> None:
+    """Plays groups with whatever weights the policy serves now; never waits for the trainer."""
+    while not run.stopping.is_set():
+        seed, run.next_seed = run.next_seed, run.next_seed + 1
+        group = await play_group(run, seed)
+        if group:
+            await run.buffer.add.call_one(group)
+
+
+async def train_one_step(run: Run, batch: list[Episode]) -> dict:
+    """Train on `batch`, then make every generator serve the new weights (version v+1)."""
+    ref_logprobs = None
+    if run.reference is not None:
+        ref_logprobs = await run.reference.route("logprobs", [e.tokens for e in batch])
+    metrics = (await run.trainer.train_step.call(batch, ref_logprobs)).item(procs=0)
+    run.version, run.step = run.version + 1, run.step + 1
+    await run.trainer.push_weights.call(run.version)
+    await run.policy.fanout("update_weights", run.version)
+    if run.version - 1 >= 1:  # version 0 is the model directory itself; older versions are no longer served
+        await store.delete_version(run.version - 1)
+    return metrics
+
+
+async def train(run: Run, progress) -> None:
+    """The training loop: batch -> step -> weights out -> (eval, checkpoint) until max_steps."""
+    cfg = run.cfg
+    start, episodes_at_start = time.time(), run.episodes_played
+    while run.step < cfg.trainer.max_steps:
+        if cfg.synchronous:
+            batch = []
+            while len(batch) < cfg.grpo.batch_size * cfg.grpo.group_size:
+                seeds = range(run.next_seed, run.next_seed + cfg.rollout.num_workers)
+                run.next_seed += cfg.rollout.num_workers
+                for group in await asyncio.gather(*(play_group(run, s) for s in seeds)):
+                    if group:
+                        await run.buffer.add.call_one(group)
+                batch = await run.buffer.sample.call_one(run.version) or []
+        else:
+            batch = await run.buffer.sample.call_one(run.version)
+            if batch is None:
+                await asyncio.sleep(0.05)
+                continue
+        metrics = await train_one_step(run, batch)
+        rewards = [r for r, _ in run.recent[-500:]]
+        values = {
+            "train/loss": metrics["loss"],
+            "train/reward": sum(rewards) / max(len(rewards), 1),
+            "train/invalid_rate": sum(i for _, i in run.recent[-500:]) / max(len(rewards), 1),
+            "train/batch_reward": metrics["reward_mean"],
+            "train/entropy": metrics.get("entropy", float("nan")),
+            "train/kl": metrics.get("kl", 0.0),
+            "train/clip_fraction": metrics.get("clip_fraction", 0.0),
+            "train/grad_norm": metrics["grad_norm"],
+            "train/ratio_max": metrics["ratio_max"],
+            "train/policy_age": run.version - 1 - metrics["policy_version_min"],
+            "train/episodes_per_s": (run.episodes_played - episodes_at_start) / (time.time() - start),
+            "train/lr": metrics["lr"],
+        }
+        values.update({f"buffer/{k}": v for k, v in (await run.buffer.stats.call_one()).items()})
+        if cfg.eval.interval and run.step % cfg.eval.interval == 0:
+            values.update(await evaluate(run))
+        run.metrics.log(run.step, values)
+        progress.update(1)
+        progress.set_postfix(
+            reward=f"{values['train/reward']:+.3f}",
+            ev=f"{values.get('eval/ev', float('nan')):+.3f}",
+            eps=f"{values['train/episodes_per_s']:.1f}/s",
+        )
+        if cfg.trainer.checkpoint_every and run.step % cfg.trainer.checkpoint_every == 0:
+            await save_checkpoint(run)
+
+
+async def evaluate(run: Run) -> dict[str, float]:
+    """Greedy play on the fixed deals eval.seed ... eval.seed + num_games - 1 with the current weights."""
+    cfg = run.cfg.eval
+    results = await asyncio.gather(
+        *(play_game(run, s, f"eval{s}", greedy=True) for s in range(cfg.seed, cfg.seed + cfg.num_games))
+    )
+    done = [r for r in results if not r.aborted] or [GameResult(None, 0.0, False)]
+    n = len(done)
+    return {
+        "eval/ev": sum(r.reward for r in done) / n,
+        "eval/win": sum(r.reward > 0 for r in done) / n,
+        "eval/push": sum(r.reward == 0 and not r.invalid for r in done) / n,
+        "eval/loss": sum(r.reward < 0 for r in done) / n,
+        "eval/invalid_rate": sum(r.invalid for r in done) / n,
+        "eval/games": n,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints: the trainer's state (torch.distributed.checkpoint) plus where the loops were.
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+async def save_checkpoint(run: Run) -> None:
+    path = checkpoint_dir(Path(run.cfg.run_dir)) / f"step_{run.step:06d}"
+    await run.trainer.save_checkpoint.call(str(path))
+    progress = {"step": run.step, "version": run.version, "next_seed": run.next_seed, "path": str(path)}
+    latest = checkpoint_dir(Path(run.cfg.run_dir)) / "latest.json"
+    latest.with_suffix(".tmp").write_text(json.dumps(progress))
+    latest.with_suffix(".tmp").replace(latest)  # atomic: a crash never leaves a half-written pointer
+
+
+async def resume(run: Run) -> None:
+    latest = checkpoint_dir(Path(run.cfg.run_dir)) / "latest.json"
+    if not latest.exists():
+        raise SystemExit(f"resume=true but {latest} does not exist: no checkpoint to resume from")
+    progress = json.loads(latest.read_text())
+    restored = (await run.trainer.load_checkpoint.call(progress["path"])).item(procs=0)
+    run.step, run.version, run.next_seed = progress["step"], restored["policy_version"], progress["next_seed"]
+    await run.trainer.push_weights.call(run.version)
+    await run.policy.fanout("update_weights", run.version)
+    logger.info("resumed at step %d, policy version %d", run.step, run.version)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Set-up and tear-down
+
+
+def prepare_model(cfg: RunConfig) -> str:
+    """A local HF directory for both engines: the tiny model built from its seed, or a downloaded/local model."""
+    if cfg.model.path is None:
+        from forge_rl.tiny_model import build_tiny_model
+
+        return str(build_tiny_model(Path(cfg.run_dir) / "tiny_model", seed=cfg.model.tiny_seed))
+    if Path(cfg.model.path).is_dir():
+        return cfg.model.path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(cfg.model.path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+
+
+async def start(cfg: RunConfig, url: str) -> Run:
+    from transformers import AutoTokenizer
+
+    run_dir = Path(cfg.run_dir)
+    model_path = prepare_model(cfg)
+    gpus = torch.cuda.is_available()
+    await store.start()
+    policy, trainer, buffer, reference = await asyncio.gather(
+        Generator.options(procs=cfg.generator.procs, with_gpus=gpus, num_replicas=cfg.generator.num_replicas).as_service(
+            model_path, cfg.model.dtype, cfg.generator, cfg.seed
+        ),
+        Trainer.options(procs=cfg.trainer.procs, with_gpus=gpus).as_actor(
+            model_path, cfg.grpo, cfg.trainer.optimizer, cfg.trainer.max_steps, cfg.model.dtype
+        ),
+        ReplayBufferActor.options().as_actor(
+            cfg.grpo.batch_size, cfg.grpo.max_policy_age, filter_zero_spread=cfg.grpo.filter_zero_spread
+        ),
+        _maybe_reference(cfg, model_path, gpus),
+    )
+    run = Run(
+        cfg=cfg,
+        tokenizer=AutoTokenizer.from_pretrained(model_path),
+        env_url=url,
+        policy=policy,
+        trainer=trainer,
+        buffer=buffer,
+        reference=reference,
+        metrics=MetricsLogger(run_dir, cfg.logging),
+        env_slots=asyncio.Semaphore(cfg.env.max_concurrent),
+        next_seed=cfg.seed * 1_000_000,
+    )
+
+    async def catch_up(replica):  # a restarted generator starts from the model directory: give it the current weights
+        if run.version:
+            await replica.actor.update_weights.call(run.version)
+
+    policy.after_restart = catch_up
+    return run
+
+
+async def _maybe_reference(cfg: RunConfig, model_path: str, gpus: bool):
+    if cfg.grpo.kl_coef <= 0:
+        return None
+    return await ReferenceModel.options(num_replicas=cfg.reference.num_replicas, with_gpus=gpus).as_service(
+        model_path, cfg.model.dtype
+    )
+
+
+async def shutdown(run: Run | None) -> None:
+    """Stop every actor and its processes (also on Ctrl-C), so no process outlives the run."""
+    if run is None:
+        await store.stop()
+        return
+    for task in (run.policy.stop(), stop(run.trainer), stop(run.buffer), run.reference.stop() if run.reference else None):
+        if task is not None:
+            try:
+                await task
+            except Exception as e:
+                logger.warning("while shutting down: %s", e)
+    await store.stop()
+    run.metrics.close()
+
+
+async def main(cfg: RunConfig) -> None:
+    from tqdm import tqdm
+
+    run_dir = Path(cfg.run_dir)
+    dump(cfg, run_dir / "config.yaml")  # the resolved config, to reproduce the run
+    url, local_server = env_url(cfg.env.url, cfg.env.server, cfg.env.max_concurrent)
+    run = None
+    try:
+        run = await start(cfg, url)
+        if cfg.resume:
+            await resume(run)
+        progress = tqdm(total=cfg.trainer.max_steps, initial=run.step, desc="GRPO BlackJack", dynamic_ncols=True)
+        workers = [] if cfg.synchronous else [asyncio.create_task(rollout_worker(run)) for _ in range(cfg.rollout.num_workers)]
+        try:
+            await train(run, progress)
+        finally:
+            run.stopping.set()
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            progress.close()
+        curve = plot_curves(run_dir, {"train/reward": "training reward", "eval/ev": "eval EV (greedy)"}, REFERENCE_EV)
+        print(f"done: {run.step} steps, policy version {run.version}; learning curve: {curve}")
+    finally:
+        await shutdown(run)
+        if local_server is not None:
+            local_server.stop()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = parse_cli()
+    try:
+        asyncio.run(main(config))
+    except KeyboardInterrupt:
+        print("interrupted: actors stopped, checkpoints kept in", Path(config.run_dir) / "checkpoints", file=sys.stderr)
+        sys.exit(130)
