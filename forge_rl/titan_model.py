@@ -1,0 +1,170 @@
+"""The policy as a TorchTitan model: built from a Hugging Face directory, HF weights in and out.
+
+Trainer and ReferenceModel both build their model here, from the same HF safetensors directory
+the generator loads, so all three start from identical weights. Adding a model family means
+adding one line to MODEL_FAMILIES (and, if its config keys differ, one `*_args` function).
+
+Also here, because trainer and reference share them: torch.distributed start-up from the
+environment the provisioner sets, FSDP2 sharding, and the batch layout (right-padded token
+ids, position t of every [B, T] tensor is about token t).
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torchtitan.models.llama4.infra.parallelize import apply_fsdp
+from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
+from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
+
+from forge_rl.loss import token_logprobs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def qwen3_args(hf: dict) -> Qwen3ModelArgs:
+    """HF Qwen3 config.json -> TorchTitan args (sdpa attention: runs on CPU and GPU alike)."""
+    if hf.get("rope_scaling"):
+        raise NotImplementedError(f"rope_scaling {hf['rope_scaling']} is not mapped to TorchTitan's Qwen3; use a model without it")
+    return Qwen3ModelArgs(
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf["num_key_value_heads"],
+        vocab_size=hf["vocab_size"],
+        head_dim=hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]),
+        hidden_dim=hf["intermediate_size"],
+        norm_eps=hf["rms_norm_eps"],
+        rope_theta=hf["rope_theta"],
+        qk_norm=True,
+        max_seq_len=hf["max_position_embeddings"],
+        enable_weight_tying=hf.get("tie_word_embeddings", False),
+        attn_type="sdpa",
+    )
+
+
+# HF `model_type` -> (config.json -> model args, TorchTitan model class, HF <-> TorchTitan adapter).
+MODEL_FAMILIES = {
+    "qwen3": (qwen3_args, Qwen3Model, Qwen3StateDictAdapter),
+}
+
+
+# ---------------------------------------------------------------------------- process set-up
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join the mesh's process group (gloo on CPU, NCCL on GPU) from the env the provisioner set.
+
+    Returns (rank, world_size, device). Without MASTER_ADDR (a plain process) runs alone.
+    """
+    use_gpu = torch.cuda.is_available()
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_gpu else torch.device("cpu")
+    if use_gpu:
+        torch.cuda.set_device(device)
+    if "MASTER_ADDR" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_gpu else "gloo", rank=rank, world_size=world, device_id=device if use_gpu else None)
+    return rank, world, device
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+def build_model(hf_dir: str | Path, device: torch.device, dtype: str = "float32", shard: bool | None = None):
+    """TorchTitan model holding the HF checkpoint's weights; returns (model, adapter).
+
+    Built on the meta device, sharded with FSDP2 over all ranks when there is more than one
+    (`shard` overrides), then materialised and filled from the HF safetensors. Parameters stay
+    fp32 (the optimizer's master copy); `dtype` is the compute dtype: FSDP's mixed precision
+    when sharded, autocast otherwise (see `autocast`).
+    """
+    hf_dir = Path(hf_dir)
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    family = hf_config.get("model_type")
+    if family not in MODEL_FAMILIES:
+        raise ValueError(f"{hf_dir}: model_type {family!r} not supported; add it to MODEL_FAMILIES ({sorted(MODEL_FAMILIES)})")
+    make_args, model_cls, adapter_cls = MODEL_FAMILIES[family]
+    args = make_args(hf_config)
+    with torch.device("meta"):
+        model = model_cls(args)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if shard if shard is not None else world > 1:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
+        # TorchTitan's own FSDP2 wrapping (per block, then the root); it sets FSDP's gradient
+        # division off, so the loss must be normalised by the GLOBAL batch (loss.py denominator).
+        apply_fsdp(model, mesh, param_dtype=DTYPES[dtype], reduce_dtype=torch.float32, pp_enabled=False)
+        if device.type == "cpu":  # gloo has no PREMUL_SUM, which FSDP would use for that division
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_force_sum_reduction_for_comms(True)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)  # recomputes the rope cache; weights overwritten below
+    adapter = adapter_cls(args, str(hf_dir))
+    load_hf_weights(model, adapter, hf_dir)
+    return model, adapter
+
+
+def load_hf_weights(model: torch.nn.Module, adapter, hf_dir: Path) -> None:
+    """Every rank reads the full HF checkpoint; set_model_state_dict keeps each rank's shard."""
+    hf_state = {}
+    for file in sorted(Path(hf_dir).glob("*.safetensors")):
+        hf_state.update(load_file(str(file)))
+    if not hf_state:
+        raise FileNotFoundError(f"{hf_dir}: no *.safetensors weights found")
+    state = {k: v.float() for k, v in adapter.from_hf(hf_state).items()}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
+
+
+def hf_state_dict(model: torch.nn.Module, adapter, dtype: str = "float32") -> dict[str, torch.Tensor]:
+    """Full, HF-named CPU state dict on rank 0 (other ranks get {}: no copy of the whole model
+    on every rank). Collective when sharded: every rank must call it."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.to(DTYPES[dtype]) for k, v in adapter.to_hf(full).items()}
+
+
+def autocast(device: torch.device, dtype: str):
+    """Compute in `dtype` over fp32 parameters when FSDP's mixed precision is not doing it."""
+    return torch.autocast(device.type, dtype=DTYPES[dtype], enabled=dtype != "float32")
+
+
+# ---------------------------------------------------------------------------- batches
+
+
+def pad_right(rows: list[torch.Tensor], length: int, value=0) -> torch.Tensor:
+    """[T_i] tensors -> [B, length], right-padded (causal attention never looks right)."""
+    out = torch.full((len(rows), length), value, dtype=rows[0].dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
+def sequence_logprobs(model: torch.nn.Module, tokens: torch.Tensor, with_logits: bool = False):
+    """Log-prob of each token given those before it: tokens [B, T] -> [B, T] (position 0: 0).
+
+    Positions are aligned with `tokens` like Episode.behaviour_logprobs, so masks and
+    behaviour log-probs index the same way. Returns (logprobs, logits [B, T-1, V] or None).
+    """
+    logits = model(tokens[:, :-1])  # [B, T-1, V]: position t predicts token t+1
+    lp = token_logprobs(logits, tokens[:, 1:])  # [B, T-1]
+    lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)  # [B, T]
+    return lp, (logits if with_logits else None)
+
+
+@torch.no_grad()
+def logprobs_of(model, token_ids: list[torch.Tensor], device, dtype: str, micro_batch_size: int = 8) -> list[torch.Tensor]:
+    """Per-token log-probs [T_i] (fp32, CPU) of each 1-D id tensor, in micro-batches."""
+    out = []
+    for start in range(0, len(token_ids), micro_batch_size):
+        rows = token_ids[start : start + micro_batch_size]
+        tokens = pad_right([torch.as_tensor(r) for r in rows], max(len(r) for r in rows)).to(device)
+        with autocast(device, dtype):
+            lp, _ = sequence_logprobs(model, tokens)
+        out.extend(lp[i, : len(r)].float().cpu() for i, r in enumerate(rows))
+    return out
