@@ -1,0 +1,250 @@
+"""Trainer: GRPO updates of the policy on TorchTitan, one Monarch actor mesh (FSDP2 over its ranks).
+
+    replay buffer --batch of whole groups--> train_step --weights--> push_weights --> TorchStore --> generators
+
+What it consumes: a flat list of Episodes holding whole groups (what ReplayBuffer.sample returns),
+optionally with reference log-probs from ReferenceModel for the KL term. What it produces: one
+optimizer step per call and a metrics dict; HF-named weights in TorchStore under a version on
+push_weights. It never waits for data: the training loop calls it when a batch exists.
+
+Deliberately not here: sequence packing (sdpa has no block-causal mask; episodes are right-padded
+per micro-batch instead), tensor/pipeline parallelism, activation checkpointing, torch.compile.
+"""
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from monarch.actor import endpoint
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.config import LRScheduler as TitanLRSchedulerConfig
+from torchtitan.config import Optimizer as TitanOptimizerConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.utils import clip_grad_norm_
+
+from forge_rl import store
+from forge_rl.actor import ForgeActor
+from forge_rl.config import GRPOConfig, OptimizerConfig
+from forge_rl.loss import LossConfig, group_advantages, grpo_loss
+from forge_rl.titan_model import autocast, build_model, hf_state_dict, init_distributed, logprobs_of, pad_right, sequence_logprobs
+from forge_rl.types import Episode
+
+# Metrics that are token-weighted means inside grpo_loss; summed * num_tokens across pieces.
+_MEAN_METRICS = ("kl", "entropy", "ratio_mean", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "advantage_mean")
+
+
+class Trainer(ForgeActor):
+    """The policy being trained: model, AdamW, LR schedule, step counter, last pushed version.
+
+    Lifecycle: constructed with config only; `setup` (all ranks) joins the process group, builds
+    the model from the HF directory and the optimizer; then any sequence of train_step /
+    push_weights / logprobs / save_checkpoint / load_checkpoint, each called on ALL ranks.
+    Invariant: every rank holds the same step count and applies the same update (each rank
+    gets the whole batch, trains on its slice, FSDP sums the gradients).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        grpo: GRPOConfig = GRPOConfig(),
+        optimizer: OptimizerConfig = OptimizerConfig(),
+        max_steps: int = 100,  # length of the LR schedule (cosine/linear decay end here)
+        dtype: str = "float32",  # compute dtype: float32 on CPU, bfloat16 on GPU
+        micro_batch_size: int = 8,  # sequences per forward/backward on one rank
+    ):
+        self.model_path, self.grpo, self.optim_config = model_path, grpo, optimizer
+        self.max_steps, self.dtype, self.micro_batch_size = max_steps, dtype, micro_batch_size
+        self.loss_config = LossConfig.from_config(grpo)
+
+    @endpoint
+    async def setup(self) -> None:
+        """All ranks. Process group, model (HF weights via the adapter), optimizer, LR schedule."""
+        self.rank, self.world, self.device = init_distributed()
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, torch.get_num_threads() // self.world))
+        self.model, self.adapter = build_model(self.model_path, self.device, self.dtype)
+        self.model.train()
+        o = self.optim_config
+        titan_optim = TitanOptimizerConfig(
+            name="AdamW",
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            implementation="fused" if self.device.type == "cuda" else "foreach",
+        )
+        dims = ParallelDims(dp_replicate=1, dp_shard=self.world, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=self.world)
+        self.optimizers = build_optimizers([self.model], titan_optim, dims)
+        # TorchTitan's warmup-stable-decay schedule. "constant" = no decay phase; its horizon is
+        # made unreachable because TorchTitan's schedule fails past its last step.
+        constant = o.schedule == "constant"
+        schedule = TitanLRSchedulerConfig(
+            warmup_steps=o.warmup_steps, decay_ratio=0.0 if constant else None, decay_type="linear" if constant else o.schedule
+        )
+        self.lr_schedulers = build_lr_schedulers(self.optimizers, schedule, 10**9 if constant else self.max_steps)
+        self.step, self.policy_version = 0, 0
+
+    @endpoint
+    async def train_step(self, batch: list[Episode], ref_logprobs: list[torch.Tensor] | None = None) -> dict[str, float]:
+        """All ranks (every rank gets the whole batch; returns the same metrics). One optimizer step.
+
+        batch: whole groups (advantages are computed here, per group_id, from the rewards).
+        ref_logprobs: per episode [T] reference log-probs aligned with tokens; needed if kl_coef > 0.
+        """
+        tokens, mask, behaviour, advantages, ref = self._tensors(batch, ref_logprobs)
+        # Normalise by the whole batch so that micro-batches and ranks add up to its gradient.
+        if self.loss_config.loss_agg == "token_mean":
+            denominator = mask.sum().clamp(min=1).item()
+        else:
+            denominator = (mask.sum(-1) > 0).sum().clamp(min=1).item()
+
+        sums, ratio_min, ratio_max = defaultdict(float), math.inf, -math.inf
+        rows = self._my_rows(len(batch))
+        n_micro = math.ceil(len(rows) / self.micro_batch_size) if len(rows) else 0
+        n_micro = max(1, int(self._all_max(n_micro)))  # same count on every rank: FSDP collectives pair up
+        for piece in torch.tensor_split(rows, n_micro):
+            length = max(2, int(tokens[piece].ne(-1).sum(-1).max().item()) if len(piece) else 2)
+            length = int(self._all_max(length))
+            if len(piece) == 0:  # a rank with no rows still joins the collectives, on a dummy row
+                piece = torch.tensor([0])
+                weight = 0.0
+            else:
+                weight = 1.0
+            tok = tokens[piece, :length].clamp(min=0).to(self.device)
+            with autocast(self.device, self.dtype):
+                lp, logits = sequence_logprobs(self.model, tok, with_logits=True)
+            loss, m = grpo_loss(
+                lp[:, 1:],
+                behaviour[piece, 1:length].to(self.device),
+                advantages[piece].to(self.device),
+                mask[piece, 1:length].to(self.device) * weight,
+                self.loss_config,
+                ref_logprobs=None if ref is None else ref[piece, 1:length].to(self.device),
+                logits=logits,
+                denominator=denominator,
+            )
+            loss.backward()
+            n = m["num_tokens"].item()
+            sums["loss"] += loss.item() * weight
+            sums["num_tokens"] += n
+            for k in _MEAN_METRICS:
+                if k in m:
+                    sums[k] += m[k].item() * n
+            if n > 0:
+                ratio_min, ratio_max = min(ratio_min, m["ratio_min"].item()), max(ratio_max, m["ratio_max"].item())
+
+        grad_norm = clip_grad_norm_([p for p in self.model.parameters()], self.optim_config.max_grad_norm)
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        self.optimizers.zero_grad()
+        self.step += 1
+
+        sums = self._all_sum(sums)
+        n = max(sums.pop("num_tokens"), 1.0)
+        metrics = {"loss": sums.pop("loss"), **{k: v / n for k, v in sums.items()}}
+        metrics.update(
+            ratio_min=-self._all_max(-ratio_min),
+            ratio_max=self._all_max(ratio_max),
+            grad_norm=grad_norm.item(),
+            lr=lr,
+            step=self.step,
+            num_tokens=n,
+            num_sequences=len(batch),
+            reward_mean=sum(e.reward for e in batch) / len(batch),
+            policy_version_min=min(e.policy_version for e in batch),
+        )
+        return metrics
+
+    @endpoint
+    async def push_weights(self, version: int) -> int:
+        """All ranks gather the full state dict (collective); rank 0 puts it, HF-named, in TorchStore
+        under `version`. Returns once it is stored: the number of tensors on rank 0, 0 elsewhere."""
+        state = hf_state_dict(self.model, self.adapter, self.dtype)
+        if self.rank == 0:
+            await store.put_state_dict(state, version)
+        if dist.is_initialized():
+            dist.barrier()
+        self.policy_version = version
+        return len(state)
+
+    @endpoint
+    async def logprobs(self, token_ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """All ranks (collective when sharded; all return the same). Current policy's per-token
+        log-probs, each [T] aligned with its ids (position 0 is 0)."""
+        self.model.eval()
+        try:
+            return logprobs_of(self.model, token_ids, self.device, self.dtype, self.micro_batch_size)
+        finally:
+            self.model.train()
+
+    @endpoint
+    async def save_checkpoint(self, path: str) -> None:
+        """All ranks. Model, optimizer, LR schedule, step and policy version with
+        torch.distributed.checkpoint (each rank writes its shards)."""
+        dcp.save(self._checkpoint_state(), checkpoint_id=path)
+
+    @endpoint
+    async def load_checkpoint(self, path: str) -> dict[str, int]:
+        """All ranks. Restore what save_checkpoint wrote (any earlier number of ranks works for the
+        model and optimizer); training then continues with the same numbers."""
+        state = self._checkpoint_state()
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(self.model, state["model"])
+        self.optimizers.load_state_dict(state["optimizer"])
+        self.lr_schedulers.load_state_dict(state["lr_scheduler"])
+        self.step, self.policy_version = int(state["progress"]["step"]), int(state["progress"]["policy_version"])
+        return {"step": self.step, "policy_version": self.policy_version}
+
+    # ------------------------------------------------------------------------ helpers
+
+    def _checkpoint_state(self) -> dict:
+        return {
+            "model": get_model_state_dict(self.model),
+            "optimizer": self.optimizers.state_dict(),
+            "lr_scheduler": self.lr_schedulers.state_dict(),
+            "progress": {"step": self.step, "policy_version": self.policy_version},
+        }
+
+    def _tensors(self, batch: list[Episode], ref_logprobs):
+        """Episodes -> right-padded [B, T] tensors (tokens padded with -1 to find lengths) and
+        per-episode advantages [B] from each group's rewards."""
+        if not batch:
+            raise ValueError("train_step: empty batch")
+        if self.loss_config.kl_coef > 0 and ref_logprobs is None:
+            raise ValueError("train_step: grpo.kl_coef > 0 needs ref_logprobs (ReferenceModel.logprobs of the batch)")
+        length = max(len(e.tokens) for e in batch)
+        tokens = pad_right([torch.as_tensor(e.tokens, dtype=torch.long) for e in batch], length, value=-1)
+        mask = pad_right([torch.as_tensor(e.loss_mask, dtype=torch.float32) for e in batch], length)
+        mask[:, 0] = 0  # the first token has no prediction to train
+        behaviour = pad_right([torch.as_tensor(e.behaviour_logprobs, dtype=torch.float32) for e in batch], length)
+        ref = None if ref_logprobs is None else pad_right([torch.as_tensor(r, dtype=torch.float32) for r in ref_logprobs], length)
+        advantages = torch.zeros(len(batch))
+        by_group = defaultdict(list)
+        for i, e in enumerate(batch):
+            by_group[e.group_id].append(i)
+        for rows in by_group.values():
+            rewards = torch.tensor([float(batch[i].reward) for i in rows])
+            advantages[rows] = group_advantages(rewards, self.grpo.normalize_std)
+        return tokens, mask, behaviour, advantages, ref
+
+    def _my_rows(self, n: int) -> torch.Tensor:
+        """This rank's contiguous slice of the batch's rows (sizes differ by at most one)."""
+        return torch.tensor_split(torch.arange(n), self.world)[self.rank]
+
+    def _all_max(self, x: float) -> float:
+        if self.world == 1:
+            return x
+        t = torch.tensor([float(x)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    def _all_sum(self, sums: dict[str, float]) -> dict[str, float]:
+        if self.world == 1:
+            return dict(sums)
+        keys = sorted(sums)
+        t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return dict(zip(keys, t.tolist()))
