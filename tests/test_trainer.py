@@ -1,0 +1,200 @@
+"""Trainer and ReferenceModel as real Monarch actors on the tiny Qwen3 (CPU, fp32, gloo).
+
+The actors are module-scoped (spawning costs seconds), so the tests run in file order and each
+one continues from the state the previous one left: before any update -> first steps ->
+repeated steps -> checkpoint -> weights out.
+"""
+
+import asyncio
+import math
+
+import pytest
+import torch
+from monarch.actor import ActorError
+
+from forge_rl import store
+from forge_rl.actor import stop
+from forge_rl.config import GRPOConfig, OptimizerConfig
+from forge_rl.reference import ReferenceModel
+from forge_rl.tiny_model import build_tiny_model
+from forge_rl.trainer import Trainer
+from forge_rl.types import Episode
+
+GRPO = GRPOConfig(kl_coef=0.05)
+OPTIM = OptimizerConfig(lr=1e-3)
+
+
+def make_batch(n_groups=3, group_size=3, seed=0) -> list[Episode]:
+    """Multi-turn-shaped episodes: prompt (6 ids), a sampled answer, an environment reply
+    (not trained), a second sampled answer; lengths differ so padding is exercised."""
+    g = torch.Generator().manual_seed(seed)
+    batch = []
+    for group in range(n_groups):
+        for k in range(group_size):
+            length = 14 + k
+            tokens = torch.randint(5, 150, (length,), generator=g)
+            mask = torch.zeros(length)
+            mask[6:9] = 1  # first answer
+            mask[11:] = 1  # second answer, after a 2-token environment reply
+            behaviour = torch.where(mask.bool(), -2 - 3 * torch.rand(length, generator=g), torch.zeros(length))
+            batch.append(Episode(tokens, mask, behaviour, float((group + k) % 2), 0, f"group{group}"))
+    return batch
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0))
+
+
+@pytest.fixture(scope="module")
+def actors(loop, model_dir):
+    async def start():
+        one, two, ref, _ = await asyncio.gather(
+            Trainer.options(procs=1).as_actor(model_dir, GRPO, OPTIM, micro_batch_size=2),
+            Trainer.options(procs=2).as_actor(model_dir, GRPO, OPTIM, micro_batch_size=2),
+            ReferenceModel.options(num_replicas=1).as_service(model_dir),
+            store.start(),
+        )
+        return one, two, ref
+
+    one, two, ref = loop.run_until_complete(start())
+    yield one, two, ref
+
+    async def finish():
+        await asyncio.gather(stop(one), stop(two), ref.stop(), store.stop())
+
+    loop.run_until_complete(finish())
+
+
+def ranks(value_mesh) -> list:
+    return [v for _, v in value_mesh.items()]
+
+
+def assert_lists_close(a, b, atol):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=atol, rtol=0)
+
+
+def hf_logprobs(model_dir, token_ids, state_dict=None):
+    """Independent check: Hugging Face transformers' Qwen3 on the same ids."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    out = []
+    with torch.no_grad():
+        for ids in token_ids:
+            logits = model(ids[None]).logits[0, :-1]
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0]
+            out.append(torch.cat([torch.zeros(1), lp]))
+    return out
+
+
+def test_reference_equals_trainer_and_hf_before_any_update(loop, actors, model_dir):
+    one, two, ref = actors
+    ids = [e.tokens for e in make_batch()]
+
+    async def main():
+        return await ref.route("logprobs", ids), await one.logprobs.call_one(ids), ranks(await two.logprobs.call(ids))
+
+    ref_lp, one_lp, (two_lp0, two_lp1) = loop.run_until_complete(main())
+    assert_lists_close(one_lp, ref_lp, atol=0)  # same model code, same weights
+    assert_lists_close(two_lp0, one_lp, atol=1e-5)  # FSDP2 over 2 ranks
+    assert_lists_close(two_lp1, two_lp0, atol=0)
+    assert_lists_close(one_lp, hf_logprobs(model_dir, ids), atol=1e-5)  # HF weights came in right
+
+
+def test_train_step_finite_and_two_ranks_match_one(loop, actors):
+    one, two, ref = actors
+    batch = make_batch()
+
+    async def main():
+        ref_lp = await ref.route("logprobs", [e.tokens for e in batch])
+        steps = []
+        for _ in range(2):
+            steps.append((await one.train_step.call_one(batch, ref_lp), ranks(await two.train_step.call(batch, ref_lp))))
+        return steps
+
+    (m1, (m2, m2b)), (n1, (n2, _)) = loop.run_until_complete(main())
+    expected = {"loss", "kl", "entropy", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "ratio_mean"}
+    expected |= {"ratio_min", "ratio_max", "grad_norm", "lr", "step", "num_tokens", "reward_mean"}
+    assert expected <= set(m1)
+    assert all(math.isfinite(v) for v in m1.values()), m1
+    assert m1["step"] == 1 and m1["num_tokens"] == sum(int(e.loss_mask.sum()) for e in batch)
+    assert m1["ratio_max"] != m1["ratio_min"]  # ratio taken against behaviour log-probs, not 1
+    assert m2 == m2b  # every rank reports the same numbers
+    for key in ("loss", "grad_norm", "ratio_mean", "ratio_min", "ratio_max", "entropy", "clip_fraction"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
+    # After one update the runs differ only by float noise (Adam magnifies it on ~0 gradients).
+    for key in ("loss", "kl", "grad_norm", "ratio_mean"):
+        assert n2[key] == pytest.approx(n1[key], rel=1e-3), key
+    assert n1["kl"] > 0
+
+
+def test_kl_without_reference_logprobs_is_refused(loop, actors):
+    one, _, _ = actors
+    with pytest.raises(ActorError, match="ref_logprobs"):
+        loop.run_until_complete(one.train_step.call_one(make_batch()))
+
+
+def test_loss_decreases_on_a_repeated_batch(loop, actors):
+    one, _, ref = actors
+    batch = make_batch(seed=1)
+
+    async def main():
+        ref_lp = await ref.route("logprobs", [e.tokens for e in batch])
+        return [(await one.train_step.call_one(batch, ref_lp))["loss"] for _ in range(6)]
+
+    losses = loop.run_until_complete(main())
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_checkpoint_resume_gives_identical_numbers(loop, actors, tmp_path):
+    one, two, ref = actors
+    batch = make_batch(seed=2)
+
+    async def main():
+        ref_lp = await ref.route("logprobs", [e.tokens for e in batch])
+        for _ in range(2):
+            await one.train_step.call_one(batch, ref_lp)
+        await one.save_checkpoint.call_one(str(tmp_path / "ckpt"))
+        after_save = await one.train_step.call_one(batch, ref_lp)
+        progress = await one.load_checkpoint.call_one(str(tmp_path / "ckpt"))
+        resumed = await one.train_step.call_one(batch, ref_lp)
+        # The same checkpoint resharded onto the 2-rank trainer.
+        await two.load_checkpoint.call(str(tmp_path / "ckpt"))
+        resharded = ranks(await two.train_step.call(batch, ref_lp))[0]
+        return after_save, progress, resumed, resharded
+
+    after_save, progress, resumed, resharded = loop.run_until_complete(main())
+    assert resumed == after_save
+    assert progress["step"] == after_save["step"] - 1
+    for key in ("loss", "kl", "grad_norm", "lr", "step"):
+        assert resharded[key] == pytest.approx(after_save[key], rel=1e-4), key
+
+
+def test_push_weights_puts_hf_weights_in_the_store(loop, actors, model_dir):
+    _, two, _ = actors
+    ids = [e.tokens for e in make_batch(seed=3)]
+
+    async def main():
+        counts = ranks(await two.push_weights.call(7))
+        pushed = await store.get_state_dict(7)
+        return counts, pushed, ranks(await two.logprobs.call(ids))[0]
+
+    counts, pushed, trainer_lp = loop.run_until_complete(main())
+    from safetensors.torch import load_file
+
+    original = load_file(f"{model_dir}/model.safetensors")
+    assert counts == [len(original), 0] and set(pushed) == set(original)  # rank 0 holds and puts it
+    assert not torch.equal(pushed["lm_head.weight"], original["lm_head.weight"])  # trained weights, not the file
+    assert_lists_close(hf_logprobs(model_dir, ids, pushed), trainer_lp, atol=1e-5)
