@@ -138,9 +138,10 @@ def detect_isolation(python: str | None = None) -> str:
 class Sandbox:
     """Executes programs one child process per call; thread-safe, one Sandbox per server.
 
-    Invariant: when `run` returns, no process of that run is left (the PID namespace dies with
-    bwrap; in rlimits mode the process group is killed and, as root, the run's uid is swept),
-    and its working directory is gone. The uid of a run is back in the pool only after that.
+    Invariant: when `run` returns, every process of that run has been sent SIGKILL (the PID
+    namespace dies with bwrap; in rlimits mode the process group is killed and, as root, the
+    run's uid is swept), so none runs user code again; the kernel may take a moment to reap
+    them. Its working directory is gone. The uid goes back to the pool (FIFO) only after that.
     """
 
     def __init__(self, limits: Limits | None = None, isolation: str = "auto", python: str | None = None):
@@ -161,16 +162,19 @@ class Sandbox:
         """Run `code` (then `tests`, if any) in a fresh child; blocks until it ends or times out."""
         timeout = min(timeout_s or self.limits.timeout_s, self.limits.timeout_s)
         uid = self._uids.get() if self._as_root else None
-        workdir = None
+        workdir, result = None, None
         try:
             if self.isolation == "rlimits":
                 workdir = tempfile.mkdtemp(prefix="forge_sandbox_")
                 if uid is not None:
                     os.chown(workdir, uid, uid)
-            return self._run(code, list(tests or []), timeout, uid, workdir)
+            result = self._run(code, list(tests or []), timeout, uid, workdir)
+            return result
         finally:
-            if uid is not None and self.isolation == "rlimits":
-                # Everything this uid still runs belongs to this run: daemons, fork-bomb leftovers.
+            killed = result is None or result.timed_out or result.exit_code == -signal.SIGKILL
+            if uid is not None and (self.isolation == "rlimits" or killed):
+                # Everything this uid still runs belongs to this run: daemons, fork-bomb leftovers,
+                # and (bwrap) a namespace still being torn down after its init was killed.
                 subprocess.run(["kill", "-9", "-1"], user=uid, group=uid, extra_groups=[],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
             if workdir is not None:

@@ -1,0 +1,53 @@
+"""BlackJack as a training task: what the policy reads, how its answer becomes an action, what it earns.
+
+These three functions are the whole contract between an OpenEnv environment and training (see
+docs/environments.md). They take the observation as the dict the client returns
+(forge_rl.envs.blackjack.BlackJackObservation's fields) and import nothing from the server.
+
+The prompt shows the cards, the best total, whether it is soft and the dealer's up card: with
+those a policy can reach basic strategy (EV -0.043 under OpenSpiel's rules); without them the
+best it can do is always stand (EV -0.183). See shared/reference/blackjack.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+ACTIONS = ("HIT", "STAND")  # the only answers parse_action accepts (also for constrained decoding)
+
+
+def _fields(observation: Any) -> Mapping[str, Any]:
+    return observation.model_dump() if hasattr(observation, "model_dump") else observation
+
+
+def render_prompt(observation: Any) -> str:
+    """The decision as compact text, ending with the instruction to answer HIT or STAND."""
+    obs = _fields(observation)
+    kind = "soft" if obs["soft"] else "hard"
+    legal = " or ".join(obs.get("legal_actions") or ACTIONS)
+    return (
+        "Blackjack, one deck; dealer stands on 17.\n"
+        f"Your cards: {' '.join(obs['player_cards'])} (total {obs['player_total']}, {kind}).\n"
+        f"Dealer shows: {obs['dealer_card']}.\n"
+        f"Answer with exactly one word: {legal}."
+    )
+
+
+def parse_action(text: str) -> dict[str, str] | None:
+    """'hit', ' STAND\\n' -> the action to send; anything else (extra words included) -> None."""
+    word = text.strip().upper()
+    return {"action": word} if word in ACTIONS else None
+
+
+def reward(observation: Any, invalid: bool, invalid_penalty: float) -> float:
+    """The hand's return (+1 / 0 / -1) once done, 0 before; -invalid_penalty for an unparseable answer.
+
+    invalid_penalty is a magnitude (>= 0): the episode with an invalid answer ends there, and
+    scoring it below a lost hand (e.g. 1.5) teaches the format first.
+    """
+    if invalid_penalty < 0:
+        raise ValueError(f"invalid_penalty is a magnitude and must be >= 0, got {invalid_penalty}")
+    if invalid:
+        return 0.0 - float(invalid_penalty)
+    obs = _fields(observation)
+    return float(obs.get("reward") or 0.0) if obs.get("done") else 0.0

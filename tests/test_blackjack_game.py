@@ -1,0 +1,51 @@
+"""apps/blackjack/game.py: the prompt shows what a decision needs, parsing is strict, rewards are exact."""
+
+import pytest
+
+from apps.blackjack.game import ACTIONS, parse_action, render_prompt, reward
+from forge_rl.envs.blackjack import BlackJackAction, BlackJackEnvironment
+
+IN_PLAY = {
+    "player_cards": ["AS", "6D"], "player_total": 17, "soft": True, "dealer_card": "10H",
+    "dealer_cards": [], "dealer_total": None, "legal_actions": ["HIT", "STAND"], "step": 0,
+    "seed": 4, "text": "", "error": None, "reward": None, "done": False,
+}  # fmt: skip
+
+
+def test_prompt_shows_cards_total_softness_dealer_card_and_the_answer_format():
+    prompt = render_prompt(IN_PLAY)
+    for needed in ("AS 6D", "total 17", "soft", "Dealer shows: 10H", "exactly one word: HIT or STAND"):
+        assert needed in prompt, needed
+    assert "hard" in render_prompt({**IN_PLAY, "soft": False, "player_cards": ["10S", "7D"]})
+    assert "seed" not in prompt.lower()  # nothing beyond what a player at the table sees
+
+
+def test_prompt_accepts_the_server_observation_object():
+    obs = BlackJackEnvironment().reset(seed=4)
+    assert f"total {obs.player_total}" in render_prompt(obs)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("HIT", {"action": "HIT"}), ("stand", {"action": "STAND"}), ("  Hit\n", {"action": "HIT"}),
+    ("STAND.", None), ("hit me", None), ("", None), ("DOUBLE", None), ("I will STAND", None),
+])  # fmt: skip
+def test_parse_action_is_strict(text, expected):
+    assert parse_action(text) == expected
+
+
+def test_parsed_actions_are_what_the_server_accepts():
+    env = BlackJackEnvironment()
+    env.reset(seed=4)
+    for word in ACTIONS:
+        assert BlackJackAction(**parse_action(word.lower())).action == word
+    assert env.step(BlackJackAction(**parse_action("stand"))).done
+
+
+def test_reward():
+    assert reward(IN_PLAY, invalid=False, invalid_penalty=1.5) == 0.0
+    for result in (1.0, 0.0, -1.0):
+        assert reward({**IN_PLAY, "done": True, "reward": result}, invalid=False, invalid_penalty=1.5) == result
+    assert reward(IN_PLAY, invalid=True, invalid_penalty=1.5) == -1.5
+    assert reward(None, invalid=True, invalid_penalty=0) == 0.0
+    with pytest.raises(ValueError, match="must be >= 0"):
+        reward(IN_PLAY, invalid=True, invalid_penalty=-1)

@@ -1,0 +1,160 @@
+"""BlackJack server on 127.0.0.1, driven through the WebSocket client: rules, seeding, errors, limits."""
+
+import asyncio
+import json
+import random
+import urllib.request
+
+import pyspiel
+import pytest
+
+from forge_rl.envs.client import EnvCapacityError, EnvError, EnvSession, launch_local
+
+MAX_SESSIONS = 4
+STAND_HANDS = 6000  # EV standard error ~0.012: -0.183 vs the optimum -0.043 is 11 sigma apart
+
+
+@pytest.fixture(scope="module")
+def server():
+    with launch_local("forge_rl.envs.blackjack:BlackJackEnvironment", max_concurrent_envs=MAX_SESSIONS) as srv:
+        yield srv
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def play(url, seed, policy):
+    """One hand; policy(observation) -> 'HIT'/'STAND'. Returns every observation seen."""
+    async with EnvSession(url) as session:
+        seen = [(await session.reset(seed=seed)).observation]
+        while not seen[-1]["done"]:
+            seen.append((await session.step({"action": policy(seen[-1])})).observation)
+        return seen
+
+
+def basic_strategy(obs):
+    rank = obs["dealer_card"][:-1]
+    up = 11 if rank == "A" else 10 if rank in ("J", "Q", "K") else int(rank)
+    total = obs["player_total"]
+    if obs["soft"]:
+        return "STAND" if total >= 19 or (total == 18 and up <= 8) else "HIT"
+    if total >= 17 or (13 <= total <= 16 and up <= 6) or (total == 12 and 4 <= up <= 6):
+        return "STAND"
+    return "HIT"
+
+
+def deal_order(final):
+    """Cards in the order the shoe gave them: player 2, dealer 2, player's hits, dealer's draws."""
+    p, d = final["player_cards"], final["dealer_cards"]
+    return p[:2] + d[:2] + p[2:] + d[2:]
+
+
+def test_health_names_the_environment(server):
+    health = json.load(urllib.request.urlopen(f"{server.url}/health"))
+    assert health == {"status": "healthy", "environment": "BlackJackEnvironment", "max_concurrent_envs": MAX_SESSIONS}
+
+
+def test_full_episodes_show_what_a_player_needs(server):
+    for seed in range(20):
+        seen = run(play(server.url, seed, basic_strategy))
+        first, last = seen[0], seen[-1]
+        assert len(first["player_cards"]) == 2 and first["dealer_card"] and first["step"] == 0
+        assert first["legal_actions"] == ["HIT", "STAND"] and first["dealer_cards"] == []
+        assert "Dealer shows" in first["text"] and str(first["player_total"]) in first["text"]
+        assert last["done"] and last["reward"] in (-1.0, 0.0, 1.0) and last["legal_actions"] == []
+        assert last["dealer_cards"][1] == first["dealer_card"]  # the up card is the second one
+        assert last["step"] == len(seen) - 1
+        for obs in seen[:-1]:
+            assert obs["reward"] is None and not obs["done"]
+
+
+def test_soft_hand_is_flagged(server):
+    async def first_soft():
+        async with EnvSession(server.url) as session:
+            for seed in range(200):
+                obs = (await session.reset(seed=seed)).observation
+                if any(c.startswith("A") for c in obs["player_cards"]) and obs["player_total"] < 21:
+                    return obs
+    obs = run(first_soft())
+    assert obs["soft"] and "soft" in obs["text"]
+
+
+def test_same_seed_same_deal_and_one_shoe_for_all_decisions(server):
+    a = run(play(server.url, 11, lambda o: "STAND"))
+    b = run(play(server.url, 11, lambda o: "STAND"))
+    assert a == b
+    hit_once = run(play(server.url, 11, lambda o: "HIT" if o["step"] == 0 else "STAND"))
+    order_a, order_h = deal_order(a[-1]), deal_order(hit_once[-1])
+    n = min(len(order_a), len(order_h))
+    assert order_a[:n] == order_h[:n]  # the hit took the card the dealer drew when standing
+    deals = {tuple(run(play(server.url, s, lambda o: "STAND"))[0]["player_cards"]) for s in range(10)}
+    assert len(deals) > 5
+
+
+def test_always_stand_matches_openspiel_and_its_ev(server):
+    """Per-hand returns equal OpenSpiel's own game on the same shoe; the mean is near -0.183."""
+
+    async def stand_many(seeds):
+        async with EnvSession(server.url) as session:
+            out = []
+            for seed in seeds:
+                await session.reset(seed=seed)
+                out.append((await session.step({"action": "STAND"})).reward)
+            return out
+
+    async def all_hands():
+        chunks = [range(i, STAND_HANDS, MAX_SESSIONS) for i in range(MAX_SESSIONS)]
+        return dict(zip([s for c in chunks for s in c], sum(await asyncio.gather(*map(stand_many, chunks)), [])))
+
+    returns = run(all_hands())
+    game = pyspiel.load_game("blackjack")
+    for seed in range(0, STAND_HANDS, 97):  # the same spec, applied to pyspiel directly
+        shoe = list(range(52))
+        random.Random(seed).shuffle(shoe)
+        state, dealt = game.new_initial_state(), 0
+        while not state.is_terminal():
+            if state.is_chance_node():
+                state.apply_action(shoe[dealt])
+                dealt += 1
+            else:
+                state.apply_action(1)
+        assert returns[seed] == state.returns()[0], seed
+    ev = sum(returns.values()) / STAND_HANDS
+    assert abs(ev - (-0.183)) < 0.04, ev  # 3.3 standard errors
+
+
+def test_illegal_and_malformed_actions_do_not_end_the_session(server):
+    async def go():
+        async with EnvSession(server.url) as session:
+            start = (await session.reset(seed=5)).observation
+            bad = (await session.step({"action": "DOUBLE"})).observation
+            assert "illegal action 'DOUBLE'" in bad["error"] and not bad["done"] and bad["reward"] is None
+            assert bad["player_cards"] == start["player_cards"] and bad["step"] == 0
+            assert "illegal" in (await session.step({"action": 7})).observation["error"]
+            with pytest.raises(EnvError, match="VALIDATION_ERROR"):
+                await session.step({"move": "HIT"})
+            end = (await session.step({"action": " stand "})).observation
+            assert end["done"] and end["error"] is None
+            after = (await session.step({"action": "HIT"})).observation
+            assert "hand is over" in after["error"] and after["reward"] is None
+            assert not (await session.reset(seed=6)).observation["done"]
+
+    run(go())
+
+
+def test_capacity_limit_gives_a_clear_error(server):
+    async def go():
+        sessions = [EnvSession(server.url, timeout_s=5) for _ in range(MAX_SESSIONS)]
+        for s in sessions:
+            await s.reset(seed=1)
+        extra = EnvSession(server.url, timeout_s=5)
+        with pytest.raises(EnvCapacityError, match="capacity"):
+            await extra.reset(seed=1)
+        await sessions[0].close()
+        await asyncio.sleep(0.2)  # the server frees the slot when it sees the close
+        assert not (await extra.reset(seed=1)).done
+        for s in sessions[1:] + [extra]:
+            await s.close()
+
+    run(go())
