@@ -14,8 +14,10 @@ IN_PLAY = {
 
 def test_prompt_shows_cards_total_softness_dealer_card_and_the_answer_format():
     prompt = render_prompt(IN_PLAY)
-    for needed in ("AS 6D", "total 17", "soft", "Dealer shows: 10H", "exactly one word: HIT or STAND"):
+    for needed in ("cards: A 6 (", "total 17", "soft", "Dealer shows: 10.", "one word: HIT or STAND"):
         assert needed in prompt, needed
+    assert "Dealer shows: 10." in render_prompt({**IN_PLAY, "dealer_card": "KD"})  # J/Q/K count 10
+    assert "Dealer shows: A." in render_prompt({**IN_PLAY, "dealer_card": "AC"})
     assert "hard" in render_prompt({**IN_PLAY, "soft": False, "player_cards": ["10S", "7D"]})
     assert "seed" not in prompt.lower()  # nothing beyond what a player at the table sees
 

@@ -20,16 +20,30 @@ def _fields(observation: Any) -> Mapping[str, Any]:
     return observation.model_dump() if hasattr(observation, "model_dump") else observation
 
 
+def card_rank(card: str) -> str:
+    """'10H' -> '10', 'AS' -> 'A': the suit never matters in BlackJack."""
+    return card[:-1]
+
+
+def card_value(card: str) -> str:
+    """The dealer's card as a player weighs it: 2..10 (J, Q, K count 10) or A."""
+    rank = card_rank(card)
+    return "10" if rank in ("J", "Q", "K") else rank
+
+
 def render_prompt(observation: Any) -> str:
-    """The decision as compact text, ending with the instruction to answer HIT or STAND."""
+    """The decision as compact text, ending with the instruction to answer HIT or STAND.
+
+    Short and in whole words a small vocabulary has (ranks, not '10H'), so that a tiny model reads
+    every fact it needs as a token of its own: the total, soft or hard, the dealer's card value.
+    """
     obs = _fields(observation)
     kind = "soft" if obs["soft"] else "hard"
     legal = " or ".join(obs.get("legal_actions") or ACTIONS)
     return (
-        "Blackjack, one deck; dealer stands on 17.\n"
-        f"Your cards: {' '.join(obs['player_cards'])} (total {obs['player_total']}, {kind}).\n"
-        f"Dealer shows: {obs['dealer_card']}.\n"
-        f"Answer with exactly one word: {legal}."
+        f"Your cards: {' '.join(card_rank(c) for c in obs['player_cards'])} (total {obs['player_total']}, {kind}).\n"
+        f"Dealer shows: {card_value(obs['dealer_card'])}.\n"
+        f"Answer with one word: {legal}."
     )
 
 

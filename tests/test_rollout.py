@@ -1,0 +1,75 @@
+"""Multi-turn token accumulation: trained ids are the sampled ids, env turns are appended, masks and
+versions line up; the app's per-turn prompt pieces join into exactly the chat-template conversation."""
+
+import pytest
+import torch
+
+from apps.blackjack.main import prompt_ids
+from forge_rl.rollout import Conversation
+from forge_rl.tiny_model import build_tiny_model
+from forge_rl.types import Completion
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+OBS_1 = {"player_cards": ["5H", "9C"], "player_total": 14, "soft": False, "dealer_card": "10S",
+         "legal_actions": ["HIT", "STAND"], "done": False}
+OBS_2 = {**OBS_1, "player_cards": ["5H", "9C", "2D"], "player_total": 16}
+
+
+def completion(prompt, ids, logprobs, version, text="HIT"):
+    return Completion(prompt_ids=list(prompt), token_ids=ids, logprobs=logprobs, text=text,
+                      finish_reason="stop", policy_version=version)
+
+
+def test_two_turns_keep_sampled_ids_and_mark_only_them(tokenizer):
+    first = prompt_ids(tokenizer, OBS_1, first_turn=True)
+    conv = Conversation(first)
+    hit, end = tokenizer.convert_tokens_to_ids("HIT"), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    conv.add_completion(completion(conv.prompt_ids, [hit, end], [-0.7, -0.01], version=3))
+    second = prompt_ids(tokenizer, OBS_2, first_turn=False)
+    conv.add_turn(second)
+    stand = tokenizer.convert_tokens_to_ids("STAND")
+    conv.add_completion(completion(conv.prompt_ids, [stand, end], [-0.2, -0.02], version=4, text="STAND"))
+    episode = conv.to_episode(reward=1.0, group_id="seed7")
+
+    n1, n2 = len(first), len(second)
+    assert episode.tokens.tolist() == first + [hit, end] + second + [stand, end]
+    expected_mask = [0] * n1 + [1, 1] + [0] * n2 + [1, 1]
+    assert episode.loss_mask.int().tolist() == expected_mask
+    lp = episode.behaviour_logprobs
+    assert torch.allclose(lp[n1:n1 + 2], torch.tensor([-0.7, -0.01]))
+    assert torch.allclose(lp[-2:], torch.tensor([-0.2, -0.02]))
+    assert lp[torch.tensor(expected_mask) == 0].abs().sum() == 0
+    assert episode.policy_version == 3, "an episode is as old as its oldest completion"
+    assert episode.reward == 1.0 and episode.group_id == "seed7"
+
+
+def test_turn_pieces_join_into_the_chat_template_conversation(tokenizer):
+    """Appending each turn's ids alone must give the same text the chat template gives the whole
+    conversation, so the model sees a well-formed conversation without anything being re-tokenized."""
+    from apps.blackjack import game
+
+    conv = Conversation(prompt_ids(tokenizer, OBS_1, first_turn=True))
+    hit, end = tokenizer.convert_tokens_to_ids("HIT"), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    conv.add_completion(completion(conv.prompt_ids, [hit, end], [-0.5, -0.1], version=0))
+    conv.add_turn(prompt_ids(tokenizer, OBS_2, first_turn=False))
+    whole = tokenizer.apply_chat_template(
+        [{"role": "user", "content": game.render_prompt(OBS_1)}, {"role": "assistant", "content": "HIT"},
+         {"role": "user", "content": game.render_prompt(OBS_2)}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    assert tokenizer.decode(conv.tokens) == whole
+
+
+def test_completion_for_another_prompt_is_refused():
+    conv = Conversation([1, 2, 3])
+    with pytest.raises(ValueError, match="different prompt"):
+        conv.add_completion(completion([1, 2], [5], [-0.1], version=0))
+    with pytest.raises(ValueError, match="at least one completion"):
+        Conversation([1]).to_episode(0.0, "g")
