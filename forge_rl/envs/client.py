@@ -16,6 +16,7 @@ and `env_url` turns a config's env section into the URL to connect to.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import socket
 import subprocess
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import weakref
 from typing import Any
 
 from openenv.core.client_types import StepResult
@@ -238,8 +240,19 @@ class EnvSession:
                 pass  # the connection is already broken; nothing to save
 
 
+_RUNNING: "weakref.WeakSet[LocalServer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_local_servers() -> None:
+    """A run that exits without stop() (an exception, Ctrl-C) must not leave servers behind."""
+    for server in list(_RUNNING):
+        server.stop()
+
+
 class LocalServer:
-    """An environment server subprocess on 127.0.0.1. Owns the process: stop() ends it."""
+    """An environment server subprocess on 127.0.0.1. Owns the process: stop() ends it, and so
+    does the normal exit of this interpreter (not a SIGKILL of it)."""
 
     def __init__(self, target: str, port: int, env: dict[str, str] | None = None):
         self.target, self.port, self._env = target, port, env
@@ -254,6 +267,7 @@ class LocalServer:
         argv = [sys.executable, "-m", *module, "--host", "127.0.0.1", "--port", str(self.port)]
         env = {**os.environ, **(self._env or {})}
         self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        _RUNNING.add(self)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -135,13 +135,35 @@ def detect_isolation(python: str | None = None) -> str:
     return "bwrap" if proc.returncode == 0 else "rlimits"
 
 
+def _wait_for_namespace(info_r: int, limit_s: float = 10.0) -> None:
+    """Block until bwrap's PID namespace is empty (its init gone or a zombie; the kernel kills
+    the rest first). Killed fork bombs take a moment; until then they count against RLIMIT_NPROC."""
+    os.set_blocking(info_r, False)
+    try:
+        pid = int(json.loads(os.read(info_r, 4096) or b"{}").get("child-pid", 0))
+    except (OSError, ValueError, AttributeError):
+        pid = 0
+    finally:
+        os.close(info_r)
+    deadline = time.monotonic() + limit_s
+    while pid and time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except OSError:
+            return
+        time.sleep(0.01)
+
+
 class Sandbox:
     """Executes programs one child process per call; thread-safe, one Sandbox per server.
 
-    Invariant: when `run` returns, every process of that run has been sent SIGKILL (the PID
-    namespace dies with bwrap; in rlimits mode the process group is killed and, as root, the
-    run's uid is swept), so none runs user code again; the kernel may take a moment to reap
-    them. Its working directory is gone. The uid goes back to the pool (FIFO) only after that.
+    Invariant: when `run` returns, no process of that run is left: with bwrap the PID namespace
+    is empty (waited for); in rlimits mode the process group is killed and, as root, the run's
+    uid swept with SIGKILL (the kernel may take a moment to reap those). Its working directory
+    is gone. The uid goes back to the pool (FIFO) only after that. Not guaranteed in rlimits
+    mode without root: a process that leaves the group and sleeps survives the run.
     """
 
     def __init__(self, limits: Limits | None = None, isolation: str = "auto", python: str | None = None):
@@ -149,7 +171,14 @@ class Sandbox:
             raise ValueError(f"isolation must be 'auto', 'bwrap' or 'rlimits', got {isolation!r}")
         self.limits = limits or Limits()
         self.python = python or default_python()
-        self.isolation = detect_isolation(self.python) if isolation == "auto" else isolation
+        detected = detect_isolation(self.python)
+        if isolation == "bwrap" and detected != "bwrap":
+            raise ValueError("isolation='bwrap' but bubblewrap cannot start a sandbox here "
+                             "(not installed, or no user namespaces); use 'auto' or 'rlimits'")  # fmt: skip
+        self.isolation = detected if isolation == "auto" else isolation
+        self._kill = [shutil.which("kill") or "/bin/kill", "-9", "-1"]
+        if not os.path.exists(self._kill[0]):  # slim images: do it with the interpreter instead
+            self._kill = [self.python, "-c", "import os; os.kill(-1, 9)"]
         self._as_root = os.geteuid() == 0
         # Uids far above any login or subuid range (those start at 1000 and 100000), spread by pid
         # so two servers on one host do not share, and sweep, each other's.
@@ -175,7 +204,7 @@ class Sandbox:
             if uid is not None and (self.isolation == "rlimits" or killed):
                 # Everything this uid still runs belongs to this run: daemons, fork-bomb leftovers,
                 # and (bwrap) a namespace still being torn down after its init was killed.
-                subprocess.run(["kill", "-9", "-1"], user=uid, group=uid, extra_groups=[],
+                subprocess.run(self._kill, user=uid, group=uid, extra_groups=[],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
             if workdir is not None:
                 shutil.rmtree(workdir, ignore_errors=True)
@@ -203,9 +232,11 @@ class Sandbox:
 
     def _run(self, code: str, tests: list[str], timeout: float, uid: int | None, workdir: str | None) -> ExecutionResult:
         result_r, result_w = os.pipe()
+        info_r, info_w = os.pipe()  # bwrap writes {"child-pid": N}: the namespace's init, seen from here
+        keep = (result_w, info_w) if self.isolation == "bwrap" else (result_w,)
         argv = [self.python, "-I", "-c", _HARNESS, str(result_w)]
         if self.isolation == "bwrap":
-            argv = _bwrap_argv(self.limits.tmpfs_mb) + argv
+            argv = _bwrap_argv(self.limits.tmpfs_mb) + ["--info-fd", str(info_w)] + argv
         home = workdir or "/tmp"
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8",
                "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
@@ -214,13 +245,15 @@ class Sandbox:
         try:
             proc = subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(result_w,), cwd=workdir or "/", env=env, start_new_session=True,
+                pass_fds=keep, cwd=workdir or "/", env=env, start_new_session=True,
                 preexec_fn=self._preexec(timeout), **user,
             )  # fmt: skip
         finally:
             os.close(result_w)
+            os.close(info_w)
         job = json.dumps({"code": code, "tests": tests}).encode()
         streams, timed_out, killed_for_output = self._pump(proc, job, result_r, start + timeout)
+        _wait_for_namespace(info_r)
         exit_code = None if timed_out else proc.returncode
         out, err, results = (bytes(streams[k]) for k in ("stdout", "stderr", "results"))
         truncated = streams["dropped"] > 0
