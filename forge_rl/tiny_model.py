@@ -49,7 +49,7 @@ ace Ace aces jack Jack queen Queen king King J Q K A
 two three four five six seven eight nine ten
 hearts diamonds clubs spades of
 answer Answer with With one One word words only Only reply Reply respond Respond
-choose Choose action Action actions move Move decide Decide decision
+choose Choose action Action actions move Move decide Decide decision play Play playing Playing played other Other well
 player Player turn Turn step Step round Round game Game blackjack BlackJack Blackjack
 bust busts busted win wins won lose loses lost push draw stands hits value points score
 is are was be it its this that the The a an and or to in on at for not no yes your
