@@ -20,6 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.modules.setdefault("gradio", None)  # as in the servers: a lean process forks as fast as they do
 
 from forge_rl.envs.blackjack import BlackJackAction, BlackJackEnvironment  # noqa: E402
 from forge_rl.envs.client import EnvSession, launch_local  # noqa: E402

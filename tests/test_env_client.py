@@ -79,6 +79,8 @@ def test_replay_that_diverges_aborts_the_episode(server):
         await session._client._ws.close()  # drop the connection under the session
         with pytest.raises(EpisodeAborted, match="different observation"):
             await session.step({"action": "STAND"})
+        with pytest.raises(EnvError, match="before reset"):  # the aborted episode is over
+            await session.step({"action": "STAND"})
         assert not (await session.reset(seed=3)).done  # the session itself is usable again
         await session.close()
 

@@ -163,6 +163,16 @@ class EnvSession:
         await self.close()
 
     async def _call(self, kind: str, payload: dict[str, Any]) -> StepResult:
+        try:
+            return await self._call_with_retries(kind, payload)
+        except EpisodeAborted:
+            # Whatever the connection holds now is not the caller's episode: end it, so a
+            # further step() fails loudly instead of acting on another state.
+            await self._discard()
+            self._reset_kwargs, self._actions, self._last, self._lost = None, [], None, False
+            raise
+
+    async def _call_with_retries(self, kind: str, payload: dict[str, Any]) -> StepResult:
         failures = 0
         while True:
             try:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 # each test in a copy of the program's globals, writing one JSON line per test to fd argv[1]
 # (line by line, so a run that times out still reports the tests that finished).
 _HARNESS = r"""
-import json, os, sys, traceback
+import json, os, sys
 fd = int(sys.argv[1]); job = json.loads(sys.stdin.read()); sys.stdin.close()
 ns = {"__name__": "__main__", "__builtins__": __builtins__}
 status = 0
@@ -49,7 +49,7 @@ try:
 except SystemExit as e:
     status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
 except BaseException:
-    traceback.print_exc(); status = 1
+    import traceback; traceback.print_exc(); status = 1
 for i, test in enumerate(job["tests"]):
     sys.stdout.flush(); sys.stderr.flush()
     try:
