@@ -18,8 +18,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule
-from torchtitan.models.llama4.infra.parallelize import apply_fsdp
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
@@ -95,20 +94,32 @@ def build_model(hf_dir: str | Path, device: torch.device, dtype: str = "float32"
         model = model_cls(args)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if shard if shard is not None else world > 1:
-        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
-        # TorchTitan's own FSDP2 wrapping (per block, then the root); it sets FSDP's gradient
-        # division off, so the loss must be normalised by the GLOBAL batch (loss.py denominator).
-        apply_fsdp(model, mesh, param_dtype=DTYPES[dtype], reduce_dtype=torch.float32, pp_enabled=False)
-        if device.type == "cpu":  # gloo has no PREMUL_SUM, which FSDP would use for that division
-            for module in model.modules():
-                if isinstance(module, FSDPModule):
-                    module.set_force_sum_reduction_for_comms(True)
+        shard_model(model, init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",)), dtype)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=device)  # recomputes the rope cache; weights overwritten below
     adapter = adapter_cls(args, str(hf_dir))
     load_hf_weights(model, adapter, hf_dir)
     return model, adapter
+
+
+def shard_model(model: torch.nn.Module, mesh, dtype: str) -> None:
+    """FSDP2 the way TorchTitan wraps a decoder: each block, then the root.
+
+    Not TorchTitan's apply_fsdp itself: it puts the embeddings and the output head in separate
+    FSDP groups, which FSDP refuses when they are tied (Qwen3 0.6B-4B). Here both stay in the
+    root group. Gradients are summed over ranks, not averaged: the loss is already normalised
+    by the global batch (loss.py `denominator`), as in TorchTitan.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            if mesh.device_type == "cpu":  # gloo has no PREMUL_SUM, which FSDP uses for that factor
+                module.set_force_sum_reduction_for_comms(True)
 
 
 def load_hf_weights(model: torch.nn.Module, adapter, hf_dir: Path) -> None:

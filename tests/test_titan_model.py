@@ -1,0 +1,49 @@
+"""titan_model: HF directory -> TorchTitan model, in this process (no actors)."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from forge_rl.provisioner import free_port
+from forge_rl.tiny_model import build_tiny_model
+from forge_rl.titan_model import build_model, hf_state_dict, logprobs_of
+from tests.test_trainer import hf_logprobs
+
+
+def tied_model(path):
+    """The tiny model with tied input/output embeddings, like Qwen3 0.6B-4B (no lm_head.weight)."""
+    path = build_tiny_model(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    weights = load_file(str(path / "model.safetensors"))
+    weights.pop("lm_head.weight")
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def test_tied_embeddings_survive_fsdp_and_round_trip(tmp_path):
+    path = tied_model(tmp_path / "tied")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model, adapter = build_model(path, torch.device("cpu"), shard=True)  # FSDP2 even on one rank
+        ids = [torch.randint(5, 150, (12,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        for ours, theirs in zip(logprobs_of(model, ids, torch.device("cpu"), "float32"), hf_logprobs(str(path), ids)):
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+        out = hf_state_dict(model, adapter)
+        original = load_file(str(path / "model.safetensors"))
+        assert set(out) == set(original)  # to_hf leaves the tied head out again
+        for name, tensor in original.items():
+            torch.testing.assert_close(out[name], tensor, atol=0, rtol=0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unknown_model_family_names_the_fix(tmp_path):
+    path = build_tiny_model(tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    with pytest.raises(ValueError, match="MODEL_FAMILIES"):
+        build_model(path, torch.device("cpu"))
