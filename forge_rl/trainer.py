@@ -30,7 +30,15 @@ from forge_rl import store
 from forge_rl.actor import ForgeActor
 from forge_rl.config import GRPOConfig, OptimizerConfig
 from forge_rl.loss import LossConfig, group_advantages, grpo_loss
-from forge_rl.titan_model import autocast, build_model, hf_state_dict, init_distributed, logprobs_of, pad_right, sequence_logprobs
+from forge_rl.titan_model import (
+    autocast,
+    build_model,
+    hf_state_dict,
+    init_distributed,
+    logprobs_of,
+    pad_right,
+    sequence_logprobs,
+)
 from forge_rl.types import Episode
 
 # Metrics that are token-weighted means inside grpo_loss; summed * num_tokens across pieces.
@@ -93,41 +101,25 @@ class Trainer(ForgeActor):
         batch: whole groups (advantages are computed here, per group_id, from the rewards).
         ref_logprobs: per episode [T] reference log-probs aligned with tokens; needed if kl_coef > 0.
         """
-        tokens, mask, behaviour, advantages, ref = self._tensors(batch, ref_logprobs)
+        t = self._tensors(batch, ref_logprobs)
         # Normalise by the whole batch so that micro-batches and ranks add up to its gradient.
         if self.loss_config.loss_agg == "token_mean":
-            denominator = mask.sum().clamp(min=1).item()
+            denominator = t["mask"].sum().clamp(min=1).item()
         else:
-            denominator = (mask.sum(-1) > 0).sum().clamp(min=1).item()
+            denominator = (t["mask"].sum(-1) > 0).sum().clamp(min=1).item()
 
         sums, ratio_min, ratio_max = defaultdict(float), math.inf, -math.inf
         rows = self._my_rows(len(batch))
-        n_micro = math.ceil(len(rows) / self.micro_batch_size) if len(rows) else 0
-        n_micro = max(1, int(self._all_max(n_micro)))  # same count on every rank: FSDP collectives pair up
+        # Every rank runs the same number of forward/backward passes (FSDP's collectives pair
+        # up); a rank short of rows runs row 0 with its loss weighted 0.
+        n_micro = max(1, int(self._all_max(math.ceil(len(rows) / self.micro_batch_size))))
         for piece in torch.tensor_split(rows, n_micro):
-            length = max(2, int(tokens[piece].ne(-1).sum(-1).max().item()) if len(piece) else 2)
-            length = int(self._all_max(length))
-            if len(piece) == 0:  # a rank with no rows still joins the collectives, on a dummy row
-                piece = torch.tensor([0])
-                weight = 0.0
-            else:
-                weight = 1.0
-            tok = tokens[piece, :length].clamp(min=0).to(self.device)
-            with autocast(self.device, self.dtype):
-                lp, logits = sequence_logprobs(self.model, tok, with_logits=True)
-            loss, m = grpo_loss(
-                lp[:, 1:],
-                behaviour[piece, 1:length].to(self.device),
-                advantages[piece].to(self.device),
-                mask[piece, 1:length].to(self.device) * weight,
-                self.loss_config,
-                ref_logprobs=None if ref is None else ref[piece, 1:length].to(self.device),
-                logits=logits,
-                denominator=denominator,
-            )
+            weight = 1.0 if len(piece) else 0.0
+            piece = piece if len(piece) else torch.tensor([0])
+            loss, m = self._forward_loss(t, piece, weight, denominator)
             loss.backward()
             n = m["num_tokens"].item()
-            sums["loss"] += loss.item() * weight
+            sums["loss"] += loss.item()
             sums["num_tokens"] += n
             for k in _MEAN_METRICS:
                 if k in m:
@@ -135,7 +127,7 @@ class Trainer(ForgeActor):
             if n > 0:
                 ratio_min, ratio_max = min(ratio_min, m["ratio_min"].item()), max(ratio_max, m["ratio_max"].item())
 
-        grad_norm = clip_grad_norm_([p for p in self.model.parameters()], self.optim_config.max_grad_norm)
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.optim_config.max_grad_norm)
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         self.optimizers.step()
         self.lr_schedulers.step()
@@ -208,27 +200,56 @@ class Trainer(ForgeActor):
             "progress": {"step": self.step, "policy_version": self.policy_version},
         }
 
-    def _tensors(self, batch: list[Episode], ref_logprobs):
-        """Episodes -> right-padded [B, T] tensors (tokens padded with -1 to find lengths) and
-        per-episode advantages [B] from each group's rewards."""
+    def _tensors(self, batch: list[Episode], ref_logprobs) -> dict[str, torch.Tensor]:
+        """Episodes -> right-padded [B, T] CPU tensors, lengths [B], and advantages [B]
+        computed per group (group_id) from the rewards."""
         if not batch:
             raise ValueError("train_step: empty batch")
         if self.loss_config.kl_coef > 0 and ref_logprobs is None:
             raise ValueError("train_step: grpo.kl_coef > 0 needs ref_logprobs (ReferenceModel.logprobs of the batch)")
         length = max(len(e.tokens) for e in batch)
-        tokens = pad_right([torch.as_tensor(e.tokens, dtype=torch.long) for e in batch], length, value=-1)
-        mask = pad_right([torch.as_tensor(e.loss_mask, dtype=torch.float32) for e in batch], length)
-        mask[:, 0] = 0  # the first token has no prediction to train
-        behaviour = pad_right([torch.as_tensor(e.behaviour_logprobs, dtype=torch.float32) for e in batch], length)
-        ref = None if ref_logprobs is None else pad_right([torch.as_tensor(r, dtype=torch.float32) for r in ref_logprobs], length)
-        advantages = torch.zeros(len(batch))
+
+        def pad(rows, dtype):
+            return pad_right([torch.as_tensor(r, dtype=dtype) for r in rows], length)
+
+        t = {
+            "tokens": pad([e.tokens for e in batch], torch.long),
+            "lengths": torch.tensor([len(e.tokens) for e in batch]),
+            "mask": pad([e.loss_mask for e in batch], torch.float32),
+            "behaviour": pad([e.behaviour_logprobs for e in batch], torch.float32),
+            "advantages": torch.zeros(len(batch)),
+        }
+        t["mask"][:, 0] = 0  # the first token has no prediction to train
+        if ref_logprobs is not None:
+            t["ref"] = pad(ref_logprobs, torch.float32)
         by_group = defaultdict(list)
         for i, e in enumerate(batch):
             by_group[e.group_id].append(i)
         for rows in by_group.values():
             rewards = torch.tensor([float(batch[i].reward) for i in rows])
-            advantages[rows] = group_advantages(rewards, self.grpo.normalize_std)
-        return tokens, mask, behaviour, advantages, ref
+            t["advantages"][rows] = group_advantages(rewards, self.grpo.normalize_std)
+        return t
+
+    def _forward_loss(self, t: dict, rows: torch.Tensor, weight: float, denominator: float):
+        """GRPO loss of some rows, trimmed to their longest episode; position 0 is dropped
+        (nothing predicts it)."""
+        length = max(2, int(t["lengths"][rows].max()))
+
+        def take(name):
+            return t[name][rows, 1:length].to(self.device) if name in t else None
+
+        with autocast(self.device, self.dtype):
+            lp, logits = sequence_logprobs(self.model, t["tokens"][rows, :length].to(self.device), with_logits=True)
+        return grpo_loss(
+            lp[:, 1:],
+            take("behaviour"),
+            t["advantages"][rows].to(self.device),
+            take("mask") * weight,
+            self.loss_config,
+            ref_logprobs=take("ref"),
+            logits=logits,
+            denominator=denominator,
+        )
 
     def _my_rows(self, n: int) -> torch.Tensor:
         """This rank's contiguous slice of the batch's rows (sizes differ by at most one)."""

@@ -89,7 +89,7 @@ def hf_logprobs(model_dir, token_ids, state_dict=None):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if state_dict is not None:
-        model.load_state_dict(state_dict)
+        model.load_state_dict(state_dict, strict=False)  # tied models have no lm_head.weight
     out = []
     with torch.no_grad():
         for ids in token_ids:
