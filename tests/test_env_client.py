@@ -1,7 +1,9 @@
 """The client layer: restore after a server restart, timeouts, clear errors, local launching."""
 
 import asyncio
+import json
 import socket
+import urllib.request
 
 import pytest
 import websockets.asyncio.server
@@ -162,3 +164,10 @@ def test_env_url_launches_a_config_server():
         assert not run(go()).done
     finally:
         local.stop()
+
+
+def test_module_entry_point_reads_max_concurrent_envs():
+    """`python -m forge_rl.envs.blackjack` is what Kubernetes runs; it honours MAX_CONCURRENT_ENVS."""
+    with launch_local("forge_rl.envs.blackjack", max_concurrent_envs=3) as srv:
+        health = json.load(urllib.request.urlopen(f"{srv.url}/health", timeout=5))
+    assert health["environment"] == "BlackJackEnvironment" and health["max_concurrent_envs"] == 3
