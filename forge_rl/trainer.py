@@ -60,7 +60,7 @@ class Trainer(ForgeActor):
         model_path: str,
         grpo: GRPOConfig = GRPOConfig(),
         optimizer: OptimizerConfig = OptimizerConfig(),
-        max_steps: int = 100,  # length of the LR schedule (cosine/linear decay end here)
+        max_steps: int = 100,  # LR schedule length: cosine/linear decay reach 0 here (and cosine rises after)
         dtype: str = "float32",  # compute dtype: float32 on CPU, bfloat16 on GPU
         micro_batch_size: int = 8,  # sequences per forward/backward on one rank
     ):
