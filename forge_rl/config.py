@@ -165,6 +165,9 @@ class LoggingConfig:
 @dataclass
 class RunConfig:
     env: EnvConfig
+    # The module with the environment's three plain functions (render_prompt, parse_action, reward)
+    # and, for constrained decoding, ACTIONS: the legal answers.
+    app_module: str = "apps.blackjack.game"
     run_dir: str = "runs/default"
     seed: int = 0
     resume: bool = False

@@ -38,5 +38,15 @@ if [ $machine = cpu ]; then
     # `import transformers`. Nothing here uses them.
     step "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec
 fi
+# bubblewrap gives the code interpreter's sandbox its own namespaces (no network, read-only root);
+# without it the sandbox still runs, with rlimits only (docs/environments.md).
+if ! command -v bwrap >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        step apt-get update -qq
+        step apt-get install -y -qq bubblewrap
+    else
+        echo "install: bubblewrap not found and cannot be installed here: the code sandbox will use rlimits only"
+    fi
+fi
 step "$VENV/bin/python" -c "import vllm, monarch, torchstore, torchtitan, openenv, pyspiel, transformers"
 echo "install: done ($machine)"

@@ -4,6 +4,7 @@ versions line up; the app's per-turn prompt pieces join into exactly the chat-te
 import pytest
 import torch
 
+from apps.blackjack import game
 from apps.blackjack.main import prompt_ids
 from forge_rl.rollout import Conversation
 from forge_rl.tiny_model import build_tiny_model
@@ -28,11 +29,11 @@ def completion(prompt, ids, logprobs, version, text="HIT"):
 
 
 def test_two_turns_keep_sampled_ids_and_mark_only_them(tokenizer):
-    first = prompt_ids(tokenizer, OBS_1, first_turn=True)
+    first = prompt_ids(game, tokenizer, OBS_1, first_turn=True)
     conv = Conversation(first)
     hit, end = tokenizer.convert_tokens_to_ids("HIT"), tokenizer.convert_tokens_to_ids("<|im_end|>")
     conv.add_completion(completion(conv.prompt_ids, [hit, end], [-0.7, -0.01], version=3))
-    second = prompt_ids(tokenizer, OBS_2, first_turn=False)
+    second = prompt_ids(game, tokenizer, OBS_2, first_turn=False)
     conv.add_turn(second)
     stand = tokenizer.convert_tokens_to_ids("STAND")
     conv.add_completion(completion(conv.prompt_ids, [stand, end], [-0.2, -0.02], version=4, text="STAND"))
@@ -53,12 +54,10 @@ def test_two_turns_keep_sampled_ids_and_mark_only_them(tokenizer):
 def test_turn_pieces_join_into_the_chat_template_conversation(tokenizer):
     """Appending each turn's ids alone must give the same text the chat template gives the whole
     conversation, so the model sees a well-formed conversation without anything being re-tokenized."""
-    from apps.blackjack import game
-
-    conv = Conversation(prompt_ids(tokenizer, OBS_1, first_turn=True))
+    conv = Conversation(prompt_ids(game, tokenizer, OBS_1, first_turn=True))
     hit, end = tokenizer.convert_tokens_to_ids("HIT"), tokenizer.convert_tokens_to_ids("<|im_end|>")
     conv.add_completion(completion(conv.prompt_ids, [hit, end], [-0.5, -0.1], version=0))
-    conv.add_turn(prompt_ids(tokenizer, OBS_2, first_turn=False))
+    conv.add_turn(prompt_ids(game, tokenizer, OBS_2, first_turn=False))
     whole = tokenizer.apply_chat_template(
         [{"role": "user", "content": game.render_prompt(OBS_1)}, {"role": "assistant", "content": "HIT"},
          {"role": "user", "content": game.render_prompt(OBS_2)}],

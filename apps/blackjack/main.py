@@ -21,12 +21,15 @@ Dataflow (each box a Monarch actor mesh or service, the loops asyncio tasks on t
 
 One game is one episode; its turns are one token sequence (forge_rl.rollout.Conversation): what the
 policy sampled is kept as sampled, each new observation is tokenized alone and appended. The prompt,
-the parsing of the answer and the reward are apps/blackjack/game.py.
+the parsing of the answer and the reward are the three functions of the config's `app_module`
+(apps/blackjack/game.py); nothing below knows the rules of BlackJack, so another OpenEnv environment
+trains with this file unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import logging
 import sys
@@ -36,7 +39,6 @@ from pathlib import Path
 
 import torch
 
-from apps.blackjack import game
 from forge_rl import store
 from forge_rl.actor import stop
 from forge_rl.config import RunConfig, dump, parse_cli
@@ -72,6 +74,7 @@ class Run:
     """What the loops share. The policy version is the one the generators serve."""
 
     cfg: RunConfig
+    game: object  # the app module: render_prompt, parse_action, reward, ACTIONS
     tokenizer: object
     env_url: str
     policy: object  # Service of Generators
@@ -89,7 +92,7 @@ class Run:
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def prompt_ids(tokenizer, observation: dict, first_turn: bool) -> list[int]:
+def prompt_ids(game, tokenizer, observation: dict, first_turn: bool) -> list[int]:
     """Token ids of one user turn and the assistant header, tokenized on their own.
 
     The first turn comes from the chat template; later turns continue a conversation whose earlier ids
@@ -102,7 +105,7 @@ def prompt_ids(tokenizer, observation: dict, first_turn: bool) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def sampling(cfg: RunConfig, greedy: bool = False) -> dict:
+def sampling(cfg: RunConfig, game, greedy: bool = False) -> dict:
     params = {"temperature": 0.0 if greedy else cfg.sampling.temperature, "max_tokens": cfg.sampling.max_tokens}
     if not greedy:
         params["top_p"] = cfg.sampling.top_p
@@ -113,18 +116,18 @@ def sampling(cfg: RunConfig, greedy: bool = False) -> dict:
 
 async def play_game(run: Run, seed: int, group_id: str, greedy: bool = False) -> GameResult:
     """One whole game on its own environment session: observe, ask the policy, act, until done."""
-    cfg = run.cfg
+    cfg, game = run.cfg, run.game
     async with run.env_slots:
         session = EnvSession(run.env_url, timeout_s=cfg.env.timeout_s)
         try:
             observation = (await session.reset(seed=seed)).observation
-            conversation, invalid = Conversation(prompt_ids(run.tokenizer, observation, True)), False
+            conversation, invalid = Conversation(prompt_ids(game, run.tokenizer, observation, True)), False
             for turn in range(cfg.rollout.max_turns):
                 if observation["done"]:
                     break
                 if turn:
-                    conversation.add_turn(prompt_ids(run.tokenizer, observation, False))
-                (completion,) = await run.policy.route("generate", conversation.prompt_ids, sampling(cfg, greedy))
+                    conversation.add_turn(prompt_ids(game, run.tokenizer, observation, False))
+                (completion,) = await run.policy.route("generate", conversation.prompt_ids, sampling(cfg, game, greedy))
                 conversation.add_completion(completion)
                 action = game.parse_action(completion.text)
                 if action is None:
@@ -291,7 +294,20 @@ def prepare_model(cfg: RunConfig) -> str:
     return snapshot_download(cfg.model.path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
 
 
-async def start(cfg: RunConfig, url: str) -> Run:
+def load_app_module(name: str, constrained: bool):
+    """The config's app_module, checked for the functions training calls (a one-line error if not)."""
+    try:
+        module = importlib.import_module(name)
+    except ImportError as e:
+        raise SystemExit(f"config error: app_module {name!r} cannot be imported: {e}") from None
+    needed = ["render_prompt", "parse_action", "reward"] + (["ACTIONS"] if constrained else [])
+    missing = [n for n in needed if not hasattr(module, n)]
+    if missing:
+        raise SystemExit(f"config error: app_module {name!r} lacks {', '.join(missing)}")
+    return module
+
+
+async def start(cfg: RunConfig, game, url: str) -> Run:
     from transformers import AutoTokenizer
 
     run_dir = Path(cfg.run_dir)
@@ -312,6 +328,7 @@ async def start(cfg: RunConfig, url: str) -> Run:
     )
     run = Run(
         cfg=cfg,
+        game=game,
         tokenizer=AutoTokenizer.from_pretrained(model_path),
         env_url=url,
         policy=policy,
@@ -358,11 +375,12 @@ async def main(cfg: RunConfig) -> None:
     from tqdm import tqdm
 
     run_dir = Path(cfg.run_dir)
+    game = load_app_module(cfg.app_module, cfg.sampling.constrained)  # fails before anything starts
     dump(cfg, run_dir / "config.yaml")  # the resolved config, to reproduce the run
     url, local_server = env_url(cfg.env.url, cfg.env.server, cfg.env.max_concurrent)
     run = None
     try:
-        run = await start(cfg, url)
+        run = await start(cfg, game, url)
         if cfg.resume:
             await resume(run)
         progress = tqdm(total=cfg.trainer.max_steps, initial=run.step, desc="GRPO BlackJack", dynamic_ncols=True)
