@@ -147,6 +147,7 @@ class Generator(ForgeActor):
         self.engine = None
         self.policy_version = 0
         self.gate = WeightGate()
+        self.update_lock = asyncio.Lock()
 
     @endpoint
     async def setup(self) -> None:
@@ -172,30 +173,32 @@ class Generator(ForgeActor):
                 token_ids=list(c.token_ids),
                 logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
                 text=c.text,
-                finish_reason=c.finish_reason or "abort",
+                finish_reason=c.finish_reason,
                 policy_version=version,
             )
             for c in final.outputs
         ]
 
-    @endpoint
+    @concurrent_endpoint
     async def update_weights(self, version: int) -> None:
-        """Controller, blocking until the engine samples with the weights stored under `version`.
+        """Controller, returns once the engine samples with the weights stored under `version`.
 
-        The fetch from TorchStore and the file write overlap generation; only the in-engine load waits
-        for running requests to finish (WeightGate). The state dict must use Hugging Face names.
+        Fetching from TorchStore and writing the file overlap generation; only the in-engine load waits
+        for running requests to finish (WeightGate). Updates apply one at a time, in the order they
+        arrive. The state dict must use Hugging Face names (what vLLM's checkpoint loader reads).
         """
-        state_dict = await store.get_state_dict(version, prefix=self.weights_prefix)
-        path = write_weights_file(state_dict)
-        del state_dict
-        try:
-            async with self.gate.swap():
-                await self.engine.collective_rpc("load_weights_file", args=(str(path),))
-                if not await self.engine.reset_prefix_cache():
-                    raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
-                self.policy_version = version
-        finally:
-            path.unlink(missing_ok=True)
+        async with self.update_lock:
+            state_dict = await store.get_state_dict(version, prefix=self.weights_prefix)
+            path = await asyncio.to_thread(write_weights_file, state_dict)
+            del state_dict
+            try:
+                async with self.gate.swap():
+                    await self.engine.collective_rpc("load_weights_file", args=(str(path),))
+                    if not await self.engine.reset_prefix_cache():
+                        raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+                    self.policy_version = version
+            finally:
+                path.unlink(missing_ok=True)
 
     @endpoint
     async def current_version(self) -> int:
