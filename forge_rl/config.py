@@ -59,7 +59,7 @@ class SamplingConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 4  # per turn
-    constrained: bool = True  # restrict answers to the app's legal strings (vLLM structured outputs)
+    constrained: bool = True  # sample exactly one of the app's answer tokens per turn (trainer mirrors it)
 
     def check(self, key):
         _positive(self, key, "max_tokens", "top_p")

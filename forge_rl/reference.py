@@ -23,8 +23,11 @@ class ReferenceModel(ForgeActor):
     """Frozen policy weights. Lifecycle: constructed with config; `setup` loads the weights;
     `logprobs` any number of times. Invariant: weights never change after setup."""
 
-    def __init__(self, model_path: str, dtype: str = "float32", micro_batch_size: int = 8):
+    def __init__(
+        self, model_path: str, dtype: str = "float32", micro_batch_size: int = 8, allowed_token_ids: list[int] | None = None
+    ):
         self.model_path, self.dtype, self.micro_batch_size = model_path, dtype, micro_batch_size
+        self.allowed_token_ids = allowed_token_ids  # as the Trainer's: the generator's sampling restriction
 
     @endpoint
     async def setup(self) -> None:
@@ -37,4 +40,6 @@ class ReferenceModel(ForgeActor):
     async def logprobs(self, token_ids: list[torch.Tensor]) -> list[torch.Tensor]:
         """All ranks of one replica; returns at once with the result. Per sequence [T] fp32
         log-probs aligned with its ids (position 0 is 0)."""
-        return logprobs_of(self.model, token_ids, self.device, self.dtype, self.micro_batch_size)
+        return logprobs_of(
+            self.model, token_ids, self.device, self.dtype, self.micro_batch_size, self.allowed_token_ids
+        )

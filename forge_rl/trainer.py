@@ -63,9 +63,11 @@ class Trainer(ForgeActor):
         max_steps: int = 100,  # LR schedule length: cosine/linear decay reach 0 here (and cosine rises after)
         dtype: str = "float32",  # compute dtype: float32 on CPU, bfloat16 on GPU
         micro_batch_size: int = 8,  # sequences per forward/backward on one rank
+        allowed_token_ids: list[int] | None = None,  # the generator's sampling restriction, if any
     ):
         self.model_path, self.grpo, self.optim_config = model_path, grpo, optimizer
         self.max_steps, self.dtype, self.micro_batch_size = max_steps, dtype, micro_batch_size
+        self.allowed_token_ids = allowed_token_ids
         self.loss_config = LossConfig.from_config(grpo)
 
     @endpoint
@@ -168,7 +170,9 @@ class Trainer(ForgeActor):
         log-probs, each [T] aligned with its ids (position 0 is 0)."""
         self.model.eval()
         try:
-            return logprobs_of(self.model, token_ids, self.device, self.dtype, self.micro_batch_size)
+            return logprobs_of(
+                self.model, token_ids, self.device, self.dtype, self.micro_batch_size, self.allowed_token_ids
+            )
         finally:
             self.model.train()
 
@@ -239,7 +243,9 @@ class Trainer(ForgeActor):
             return t[name][rows, 1:length].to(self.device) if name in t else None
 
         with autocast(self.device, self.dtype):
-            lp, logits = sequence_logprobs(self.model, t["tokens"][rows, :length].to(self.device), with_logits=True)
+            lp, logits = sequence_logprobs(
+                self.model, t["tokens"][rows, :length].to(self.device), True, self.allowed_token_ids
+            )
         return grpo_loss(
             lp[:, 1:],
             take("behaviour"),

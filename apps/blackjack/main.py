@@ -29,9 +29,11 @@ trains with this file unchanged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import json
 import logging
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -61,6 +63,36 @@ REFERENCE_EV = {"optimal -0.043": -0.0425, "mimic dealer -0.080": -0.080, "alway
 # One game
 
 
+class SessionPool:
+    """At most `size` environment sessions, each kept open and reused for one game after another
+    (a WebSocket connection per game would cost more than the game). A session that raised out of a
+    game is closed, not reused."""
+
+    def __init__(self, url: str, size: int, timeout_s: float):
+        self.url, self.timeout_s = url, timeout_s
+        self.free: asyncio.Queue = asyncio.Queue()
+        for _ in range(size):
+            self.free.put_nowait(None)  # a slot without a session yet
+
+    @contextlib.asynccontextmanager
+    async def session(self):
+        session = await self.free.get() or EnvSession(self.url, timeout_s=self.timeout_s)
+        try:
+            yield session
+        except BaseException:
+            await session.close()
+            session = None
+            raise
+        finally:
+            self.free.put_nowait(session)
+
+    async def close(self) -> None:
+        while not self.free.empty():
+            session = self.free.get_nowait()
+            if session is not None:
+                await session.close()
+
+
 @dataclass
 class GameResult:
     episode: Episode | None  # None when the game had no decision or was aborted
@@ -76,49 +108,72 @@ class Run:
     cfg: RunConfig
     game: object  # the app module: render_prompt, parse_action, reward, ACTIONS
     tokenizer: object
-    env_url: str
+    allowed_token_ids: list[int] | None  # constrained decoding: the only ids the policy may sample
     policy: object  # Service of Generators
     trainer: object  # Trainer actor mesh
     buffer: object  # ReplayBufferActor
     reference: object | None  # Service of ReferenceModels (kl_coef > 0)
     metrics: MetricsLogger
-    env_slots: asyncio.Semaphore  # at most env.max_concurrent sessions open at once
+    sessions: "SessionPool"
     version: int = 0
     step: int = 0
     next_seed: int = 0
     episodes_played: int = 0
     aborted_games: int = 0
     recent: list = field(default_factory=list)  # (reward, invalid) of recent training games
+    rollout_errors: int = 0  # groups lost to an unexpected error (logged)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def prompt_ids(game, tokenizer, observation: dict, first_turn: bool) -> list[int]:
+def prompt_ids(game, tokenizer, observation: dict, first_turn: bool, close_previous: bool = False) -> list[int]:
     """Token ids of one user turn and the assistant header, tokenized on their own.
 
     The first turn comes from the chat template; later turns continue a conversation whose earlier ids
     are kept as sampled, so only the new text is tokenized (never the whole conversation again).
+    `close_previous`: the previous answer stopped without the end-of-turn token (constrained decoding
+    samples the answer alone), so this turn starts by closing it.
     """
     message = [{"role": "user", "content": game.render_prompt(observation)}]
     text = tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
     if not first_turn:
         text = "\n" + text  # the newline the chat template puts after the previous <|im_end|>
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [tokenizer.eos_token_id] + ids if close_previous else ids
 
 
-def sampling(cfg: RunConfig, game, greedy: bool = False) -> dict:
+def answer_token_ids(game, tokenizer) -> list[int]:
+    """For constrained decoding: the ids of the app's answers, each of which must be one token.
+
+    The policy then samples exactly one of these ids per turn (vLLM's allowed_token_ids, max_tokens 1),
+    so every answer is valid by construction, and the trainer and reference renormalise over the same
+    ids: behaviour and trained log-probs are of one and the same distribution. The end-of-turn token
+    after the answer is then the environment's, appended with the next turn (not trained).
+    """
+    ids = []
+    for answer in game.ACTIONS:
+        encoded = tokenizer(answer, add_special_tokens=False)["input_ids"]
+        if len(encoded) != 1:
+            raise SystemExit(
+                f"config error: sampling.constrained needs each answer to be one token; {answer!r} is "
+                f"{len(encoded)} tokens for this tokenizer: set sampling.constrained=false"
+            )
+        ids += encoded
+    return ids
+
+
+def sampling(cfg: RunConfig, allowed_token_ids: list[int] | None, greedy: bool = False) -> dict:
     params = {"temperature": 0.0 if greedy else cfg.sampling.temperature, "max_tokens": cfg.sampling.max_tokens}
     if not greedy:
         params["top_p"] = cfg.sampling.top_p
-    if cfg.sampling.constrained:
-        params["choices"] = list(game.ACTIONS)
+    if allowed_token_ids:
+        params.update(allowed_token_ids=allowed_token_ids, max_tokens=1)
     return params
 
 
 async def play_game(run: Run, seed: int, group_id: str, greedy: bool = False) -> GameResult:
     """One whole game on its own environment session: observe, ask the policy, act, until done."""
     cfg, game = run.cfg, run.game
-    async with run.env_slots:
-        session = EnvSession(run.env_url, timeout_s=cfg.env.timeout_s)
+    async with run.sessions.session() as session:
         try:
             observation = (await session.reset(seed=seed)).observation
             conversation, invalid = Conversation(prompt_ids(game, run.tokenizer, observation, True)), False
@@ -126,8 +181,9 @@ async def play_game(run: Run, seed: int, group_id: str, greedy: bool = False) ->
                 if observation["done"]:
                     break
                 if turn:
-                    conversation.add_turn(prompt_ids(game, run.tokenizer, observation, False))
-                (completion,) = await run.policy.route("generate", conversation.prompt_ids, sampling(cfg, game, greedy))
+                    unclosed = conversation.tokens[-1] != run.tokenizer.eos_token_id
+                    conversation.add_turn(prompt_ids(game, run.tokenizer, observation, False, unclosed))
+                (completion,) = await run.policy.route("generate", conversation.prompt_ids, sampling(cfg, run.allowed_token_ids, greedy))
                 conversation.add_completion(completion)
                 action = game.parse_action(completion.text)
                 if action is None:
@@ -137,8 +193,6 @@ async def play_game(run: Run, seed: int, group_id: str, greedy: bool = False) ->
         except EpisodeAborted as e:
             logger.warning("game on seed %d dropped: %s", seed, e)
             return GameResult(None, 0.0, False, aborted=True)
-        finally:
-            await session.close()
     reward = game.reward(observation, invalid, cfg.rollout.invalid_action_penalty)
     episode = conversation.to_episode(reward, group_id) if conversation.versions else None
     return GameResult(episode, reward, invalid)
@@ -159,29 +213,47 @@ async def play_group(run: Run, seed: int) -> list[Episode] | None:
 
 
 async def rollout_worker(run: Run) -> None:
-    """Plays groups with whatever weights the policy serves now; never waits for the trainer."""
+    """Plays groups with whatever weights the policy serves now; never waits for the trainer.
+
+    An unexpected error loses that group (logged and counted) and the worker goes on; errors on
+    every one of many groups in a row mean something is broken, and stop the run with the error.
+    """
+    failures_in_a_row = 0
     while not run.stopping.is_set():
         seed, run.next_seed = run.next_seed, run.next_seed + 1
-        group = await play_group(run, seed)
-        if group:
-            await run.buffer.add.call_one(group)
+        try:
+            group = await play_group(run, seed)
+            if group:
+                await run.buffer.add.call_one(group)
+            failures_in_a_row = 0
+        except Exception as e:
+            run.rollout_errors += 1
+            failures_in_a_row += 1
+            logger.warning("group on seed %d lost: %s", seed, str(e).splitlines()[0] if str(e) else repr(e))
+            if failures_in_a_row >= 20:
+                raise
+            await asyncio.sleep(0.5)
 
 
 async def train_one_step(run: Run, batch: list[Episode]) -> dict:
     """Train on `batch`, then make every generator serve the new weights (version v+1)."""
+    clock = time.perf_counter()
     ref_logprobs = None
     if run.reference is not None:
         ref_logprobs = await run.reference.route("logprobs", [e.tokens for e in batch])
     metrics = (await run.trainer.train_step.call(batch, ref_logprobs)).item(procs=0)
+    trained = time.perf_counter()
     run.version, run.step = run.version + 1, run.step + 1
     await run.trainer.push_weights.call(run.version)
+    pushed = time.perf_counter()
     await run.policy.fanout("update_weights", run.version)
     if run.version - 1 >= 1:  # version 0 is the model directory itself; older versions are no longer served
         await store.delete_version(run.version - 1)
+    metrics.update(train_s=trained - clock, push_s=pushed - trained, load_s=time.perf_counter() - pushed)
     return metrics
 
 
-async def train(run: Run, progress) -> None:
+async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
     """The training loop: batch -> step -> weights out -> (eval, checkpoint) until max_steps."""
     cfg = run.cfg
     start, episodes_at_start = time.time(), run.episodes_played
@@ -198,6 +270,9 @@ async def train(run: Run, progress) -> None:
         else:
             batch = await run.buffer.sample.call_one(run.version)
             if batch is None:
+                for worker in workers:
+                    if worker.done() and not worker.cancelled() and worker.exception():
+                        raise RuntimeError("a rollout worker stopped; no more data is coming") from worker.exception()
                 await asyncio.sleep(0.05)
                 continue
         metrics = await train_one_step(run, batch)
@@ -215,8 +290,13 @@ async def train(run: Run, progress) -> None:
             "train/policy_age": run.version - 1 - metrics["policy_version_min"],
             "train/episodes_per_s": (run.episodes_played - episodes_at_start) / (time.time() - start),
             "train/lr": metrics["lr"],
+            "train/policy_version": run.version,
+            "time/train_step_s": metrics["train_s"],
+            "time/push_weights_s": metrics["push_s"],
+            "time/update_weights_s": metrics["load_s"],
         }
         values.update({f"buffer/{k}": v for k, v in (await run.buffer.stats.call_one()).items()})
+        values.update({"rollout/errors": run.rollout_errors, "rollout/aborted_games": run.aborted_games})
         if cfg.eval.interval and run.step % cfg.eval.interval == 0:
             values.update(await evaluate(run))
         run.metrics.log(run.step, values)
@@ -312,6 +392,8 @@ async def start(cfg: RunConfig, game, url: str) -> Run:
 
     run_dir = Path(cfg.run_dir)
     model_path = prepare_model(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    allowed = answer_token_ids(game, tokenizer) if cfg.sampling.constrained else None
     gpus = torch.cuda.is_available()
     await store.start()
     policy, trainer, buffer, reference = await asyncio.gather(
@@ -319,24 +401,24 @@ async def start(cfg: RunConfig, game, url: str) -> Run:
             model_path, cfg.model.dtype, cfg.generator, cfg.seed
         ),
         Trainer.options(procs=cfg.trainer.procs, with_gpus=gpus).as_actor(
-            model_path, cfg.grpo, cfg.trainer.optimizer, cfg.trainer.max_steps, cfg.model.dtype
+            model_path, cfg.grpo, cfg.trainer.optimizer, cfg.trainer.max_steps, cfg.model.dtype, allowed_token_ids=allowed
         ),
         ReplayBufferActor.options().as_actor(
             cfg.grpo.batch_size, cfg.grpo.max_policy_age, filter_zero_spread=cfg.grpo.filter_zero_spread
         ),
-        _maybe_reference(cfg, model_path, gpus),
+        _maybe_reference(cfg, model_path, gpus, allowed),
     )
     run = Run(
         cfg=cfg,
         game=game,
-        tokenizer=AutoTokenizer.from_pretrained(model_path),
-        env_url=url,
+        tokenizer=tokenizer,
+        allowed_token_ids=allowed,
         policy=policy,
         trainer=trainer,
         buffer=buffer,
         reference=reference,
         metrics=MetricsLogger(run_dir, cfg.logging),
-        env_slots=asyncio.Semaphore(cfg.env.max_concurrent),
+        sessions=SessionPool(url, cfg.env.max_concurrent, cfg.env.timeout_s),
         next_seed=cfg.seed * 1_000_000,
     )
 
@@ -348,11 +430,11 @@ async def start(cfg: RunConfig, game, url: str) -> Run:
     return run
 
 
-async def _maybe_reference(cfg: RunConfig, model_path: str, gpus: bool):
+async def _maybe_reference(cfg: RunConfig, model_path: str, gpus: bool, allowed: list[int] | None):
     if cfg.grpo.kl_coef <= 0:
         return None
     return await ReferenceModel.options(num_replicas=cfg.reference.num_replicas, with_gpus=gpus).as_service(
-        model_path, cfg.model.dtype
+        model_path, cfg.model.dtype, allowed_token_ids=allowed
     )
 
 
@@ -368,12 +450,21 @@ async def shutdown(run: Run | None) -> None:
             except Exception as e:
                 logger.warning("while shutting down: %s", e)
     await store.stop()
+    await run.sessions.close()
     run.metrics.close()
+
+
+def print_task_stacks() -> None:
+    """`kill -USR1 <pid>` prints where every asyncio task of the controller is waiting."""
+    for task in asyncio.all_tasks():
+        print(f"--- {task.get_name()}", file=sys.stderr)
+        task.print_stack(limit=12, file=sys.stderr)
 
 
 async def main(cfg: RunConfig) -> None:
     from tqdm import tqdm
 
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, print_task_stacks)
     run_dir = Path(cfg.run_dir)
     game = load_app_module(cfg.app_module, cfg.sampling.constrained)  # fails before anything starts
     dump(cfg, run_dir / "config.yaml")  # the resolved config, to reproduce the run
@@ -386,7 +477,7 @@ async def main(cfg: RunConfig) -> None:
         progress = tqdm(total=cfg.trainer.max_steps, initial=run.step, desc="GRPO BlackJack", dynamic_ncols=True)
         workers = [] if cfg.synchronous else [asyncio.create_task(rollout_worker(run)) for _ in range(cfg.rollout.num_workers)]
         try:
-            await train(run, progress)
+            await train(run, progress, workers)
         finally:
             run.stopping.set()
             for w in workers:

@@ -1,0 +1,82 @@
+"""The BlackJack app as users run it: `python -m apps.blackjack.main --config ...` in a subprocess, with
+real Monarch actors, vLLM, TorchStore and a BlackJack server on loopback.
+
+Run 1 trains two steps and checkpoints; run 2 resumes from that checkpoint (same step and policy version
+onwards) and is stopped with Ctrl-C mid-run, which must end it cleanly with no process left behind.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "blackjack_tiny_cpu.yaml"
+SMALL = [
+    "grpo.batch_size=2", "grpo.group_size=4", "rollout.num_workers=2", "eval.interval=2", "eval.num_games=16",
+    "trainer.checkpoint_every=2", "logging.tensorboard=true",
+]
+
+
+def app(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "apps.blackjack.main", "--config", str(CONFIG), f"run_dir={run_dir}", *SMALL, *overrides],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def descendants(proc: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_train_checkpoint_resume_and_ctrl_c(tmp_path):
+    run_dir = tmp_path / "run"
+    first = app(run_dir, "trainer.max_steps=2")
+    out, _ = first.communicate(timeout=600)
+    assert first.returncode == 0, out[-3000:]
+
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    last = rows[-1]
+    for key in ("train/loss", "train/reward", "train/entropy", "eval/ev", "eval/win", "eval/invalid_rate"):
+        assert key in last, key
+    assert last["eval/games"] == 16 and -1 <= last["eval/ev"] <= 1
+    assert last["train/invalid_rate"] == 0, "constrained decoding makes every answer valid"
+    assert (run_dir / "learning_curve.png").stat().st_size > 1000
+    assert "group_size: 4" in (run_dir / "config.yaml").read_text()
+    assert list((run_dir / "tensorboard").iterdir())
+    latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] == 2 and latest["version"] == 2 and last["train/policy_version"] == 2
+
+    # Resume: continues at step 3 with policy version 3, then Ctrl-C.
+    second = app(run_dir, "resume=true", "trainer.max_steps=50")
+    deadline = time.time() + 600
+    while time.time() < deadline and not any(r["step"] >= 3 for r in metrics(run_dir)):
+        assert second.poll() is None, second.stdout.read()[-3000:]
+        time.sleep(1)
+    resumed = [r for r in metrics(run_dir) if r["step"] >= 3]
+    assert resumed and resumed[0]["step"] == 3
+    assert resumed[0]["train/policy_version"] == 3, "resume must continue the policy version"
+
+    spawned = descendants(second)
+    assert len(spawned) >= 4, "expected the app's actor and engine processes"
+    second.send_signal(signal.SIGINT)
+    out, _ = second.communicate(timeout=120)
+    assert second.returncode == 130, out[-3000:]
+    assert "interrupted" in out
+    _, alive = psutil.wait_procs(spawned, timeout=30)
+    assert not alive, f"processes left behind after Ctrl-C: {[p.cmdline()[:3] for p in alive]}"
