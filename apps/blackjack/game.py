@@ -65,3 +65,34 @@ def reward(observation: Any, invalid: bool, invalid_penalty: float) -> float:
         return 0.0 - float(invalid_penalty)
     obs = _fields(observation)
     return float(obs.get("reward") or 0.0) if obs.get("done") else 0.0
+
+
+# Reference policies, played on the same evaluation deals as the model so that its EV is read against
+# theirs without the luck of the deals (shared/reference/blackjack.md has their EVs over all deals).
+
+
+def _dealer_value(obs: Mapping[str, Any]) -> int:
+    value = card_value(obs["dealer_card"])
+    return 11 if value == "A" else int(value)
+
+
+def basic_strategy(observation: Any) -> str:
+    """Basic strategy on (total, soft, dealer up card) for these rules: EV -0.043."""
+    obs = _fields(observation)
+    total, dealer = obs["player_total"], _dealer_value(obs)
+    if obs["soft"]:
+        return "STAND" if total >= 19 or (total == 18 and dealer <= 8) else "HIT"
+    if total >= 17:
+        return "STAND"
+    if total >= 13:
+        return "STAND" if dealer <= 6 else "HIT"
+    if total == 12:
+        return "STAND" if 4 <= dealer <= 6 else "HIT"
+    return "HIT"
+
+
+REFERENCE_POLICIES = {
+    "basic_strategy": basic_strategy,  # EV -0.043
+    "mimic_dealer": lambda observation: "HIT" if _fields(observation)["player_total"] <= 16 else "STAND",  # -0.080
+    "always_stand": lambda observation: "STAND",  # -0.183
+}

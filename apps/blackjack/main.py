@@ -55,8 +55,6 @@ from forge_rl.types import Episode
 
 logger = logging.getLogger("blackjack")
 
-# EV per hand of reference policies under OpenSpiel's rules (shared/reference/blackjack.md).
-REFERENCE_EV = {"optimal -0.043": -0.0425, "mimic dealer -0.080": -0.080, "always stand -0.183": -0.183, "random -0.393": -0.393}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -122,6 +120,7 @@ class Run:
     aborted_games: int = 0
     recent: list = field(default_factory=list)  # (reward, invalid) of recent training games
     rollout_errors: int = 0  # groups lost to an unexpected error (logged)
+    reference_ev: dict = field(default_factory=dict)  # label -> EV of each reference policy on the eval deals
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -310,6 +309,25 @@ async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
             await save_checkpoint(run)
 
 
+async def play_reference(run: Run, policy, seed: int) -> float:
+    """One game of a reference policy (observation -> action text) on its own session: its return."""
+    async with run.sessions.session() as session:
+        observation = (await session.reset(seed=seed)).observation
+        while not observation["done"]:
+            observation = (await session.step(run.game.parse_action(policy(observation)))).observation
+    return run.game.reward(observation, False, 0.0)
+
+
+async def evaluate_references(run: Run) -> dict[str, float]:
+    """The app's REFERENCE_POLICIES (if it has any) on the evaluation deals: what the model's EV is read
+    against, free of the deals' luck. Played once per run."""
+    cfg, values = run.cfg.eval, {}
+    for name, policy in getattr(run.game, "REFERENCE_POLICIES", {}).items():
+        returns = await asyncio.gather(*(play_reference(run, policy, s) for s in range(cfg.seed, cfg.seed + cfg.num_games)))
+        values[f"eval/reference/{name}"] = sum(returns) / len(returns)
+    return values
+
+
 async def evaluate(run: Run) -> dict[str, float]:
     """Greedy play on the fixed deals eval.seed ... eval.seed + num_games - 1 with the current weights."""
     cfg = run.cfg.eval
@@ -474,6 +492,11 @@ async def main(cfg: RunConfig) -> None:
         run = await start(cfg, game, url)
         if cfg.resume:
             await resume(run)
+        if cfg.eval.interval:
+            references = await evaluate_references(run)
+            run.metrics.log(run.step, references)
+            run.reference_ev = {f"{k.split('/')[-1]} {v:+.3f}": v for k, v in references.items()}
+            print("reference policies on the evaluation deals:", {k.split("/")[-1]: round(v, 3) for k, v in references.items()})
         progress = tqdm(total=cfg.trainer.max_steps, initial=run.step, desc="GRPO BlackJack", dynamic_ncols=True)
         workers = [] if cfg.synchronous else [asyncio.create_task(rollout_worker(run)) for _ in range(cfg.rollout.num_workers)]
         try:
@@ -484,7 +507,7 @@ async def main(cfg: RunConfig) -> None:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
             progress.close()
-        curve = plot_curves(run_dir, {"train/reward": "training reward", "eval/ev": "eval EV (greedy)"}, REFERENCE_EV)
+        curve = plot_curves(run_dir, {"train/reward": "training reward", "eval/ev": "eval EV (greedy)"}, run.reference_ev)
         print(f"done: {run.step} steps, policy version {run.version}; learning curve: {curve}")
     finally:
         await shutdown(run)
