@@ -1,7 +1,7 @@
 """BlackJack as a training task: what the policy reads, how its answer becomes an action, what it earns.
 
 These three functions are the whole contract between an OpenEnv environment and training (see
-docs/environments.md). They take the observation as the dict the client returns
+README.md, "Adding an environment"). They take the observation as the dict the client returns
 (forge_rl.envs.blackjack.BlackJackObservation's fields) and import nothing from the server.
 
 The prompt shows the cards, the best total, whether it is soft and the dealer's up card: with
