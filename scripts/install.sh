@@ -39,7 +39,7 @@ if [ $machine = cpu ]; then
     step "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec
 fi
 # bubblewrap gives the code interpreter's sandbox its own namespaces (no network, read-only root);
-# without it the sandbox still runs, with rlimits only (docs/environments.md).
+# without it the sandbox still runs, with rlimits only (README.md, "Code interpreter").
 if ! command -v bwrap >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         step apt-get update -qq
