@@ -212,13 +212,18 @@ async def play_group(run: Run, seed: int) -> list[Episode] | None:
 
 
 async def rollout_worker(run: Run) -> None:
-    """Plays groups with whatever weights the policy serves now; never waits for the trainer.
+    """Plays groups with whatever weights the policy serves now; waits only when two batches are ready.
 
     An unexpected error loses that group (logged and counted) and the worker goes on; errors on
     every one of many groups in a row mean something is broken, and stop the run with the error.
     """
     failures_in_a_row = 0
     while not run.stopping.is_set():
+        # Back-pressure: two batches waiting is enough; more would only go stale while taking the
+        # trainer's CPU (on a small machine they share it).
+        if (await run.buffer.stats.call_one())["groups"] >= 2 * run.cfg.grpo.batch_size:
+            await asyncio.sleep(0.05)
+            continue
         seed, run.next_seed = run.next_seed, run.next_seed + 1
         try:
             group = await play_group(run, seed)
