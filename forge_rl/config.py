@@ -104,12 +104,13 @@ class OptimizerConfig:
 @dataclass
 class TrainerConfig:
     procs: int = 1  # ranks; > 1 shards with FSDP2
+    micro_batch_size: int = 8  # sequences per forward/backward on one rank (memory vs speed)
     max_steps: int = 100
     checkpoint_every: int = 50  # steps; 0 disables
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
     def check(self, key):
-        _positive(self, key, "procs", "max_steps")
+        _positive(self, key, "procs", "micro_batch_size", "max_steps")
         _non_negative(self, key, "checkpoint_every")
 
 

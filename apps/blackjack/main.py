@@ -212,16 +212,16 @@ async def play_group(run: Run, seed: int) -> list[Episode] | None:
 
 
 async def rollout_worker(run: Run) -> None:
-    """Plays groups with whatever weights the policy serves now; waits only when two batches are ready.
+    """Plays groups with whatever weights the policy serves now; waits only while a batch is ready.
 
     An unexpected error loses that group (logged and counted) and the worker goes on; errors on
     every one of many groups in a row mean something is broken, and stop the run with the error.
     """
     failures_in_a_row = 0
     while not run.stopping.is_set():
-        # Back-pressure: two batches waiting is enough; more would only go stale while taking the
+        # Back-pressure: one batch waiting is enough; more would only go stale while taking the
         # trainer's CPU (on a small machine they share it).
-        if (await run.buffer.stats.call_one())["groups"] >= 2 * run.cfg.grpo.batch_size:
+        if (await run.buffer.stats.call_one())["groups"] >= run.cfg.grpo.batch_size:
             await asyncio.sleep(0.05)
             continue
         seed, run.next_seed = run.next_seed, run.next_seed + 1
@@ -424,7 +424,8 @@ async def start(cfg: RunConfig, game, url: str) -> Run:
             model_path, cfg.model.dtype, cfg.generator, cfg.seed
         ),
         Trainer.options(procs=cfg.trainer.procs, with_gpus=gpus).as_actor(
-            model_path, cfg.grpo, cfg.trainer.optimizer, cfg.trainer.max_steps, cfg.model.dtype, allowed_token_ids=allowed
+            model_path, cfg.grpo, cfg.trainer.optimizer, cfg.trainer.max_steps, cfg.model.dtype,
+            micro_batch_size=cfg.trainer.micro_batch_size, allowed_token_ids=allowed,
         ),
         ReplayBufferActor.options().as_actor(
             cfg.grpo.batch_size, cfg.grpo.max_policy_age, filter_zero_spread=cfg.grpo.filter_zero_spread
