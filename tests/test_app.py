@@ -1,8 +1,9 @@
 """The BlackJack app as users run it: `python -m apps.blackjack.main --config ...` in a subprocess, with
 real Monarch actors, vLLM, TorchStore and a BlackJack server on loopback.
 
-Run 1 trains two steps and checkpoints; run 2 resumes from that checkpoint (same step and policy version
-onwards) and is stopped with Ctrl-C mid-run, which must end it cleanly with no process left behind.
+Run 1 trains two steps (synchronous: generate, then train) and checkpoints; run 2 resumes from that
+checkpoint (same step and policy version onwards) with rollouts overlapping training, and is stopped
+with Ctrl-C mid-run, which must end it cleanly with no process left behind.
 """
 
 import json
@@ -45,7 +46,7 @@ def descendants(proc: subprocess.Popen) -> list[psutil.Process]:
 
 def test_train_checkpoint_resume_and_ctrl_c(tmp_path):
     run_dir = tmp_path / "run"
-    first = app(run_dir, "trainer.max_steps=2")
+    first = app(run_dir, "trainer.max_steps=2", "synchronous=true")
     out, _ = first.communicate(timeout=600)
     assert first.returncode == 0, out[-3000:]
 
@@ -65,7 +66,7 @@ def test_train_checkpoint_resume_and_ctrl_c(tmp_path):
     assert latest["step"] == 2 and latest["version"] == 2 and last["train/policy_version"] == 2
 
     # Resume: continues at step 3 with policy version 3, then Ctrl-C.
-    second = app(run_dir, "resume=true", "trainer.max_steps=50")
+    second = app(run_dir, "resume=true", "trainer.max_steps=50", "synchronous=false")  # rollouts overlap training
     deadline = time.time() + 600
     while time.time() < deadline and not any(r["step"] >= 3 and "train/loss" in r for r in metrics(run_dir)):
         assert second.poll() is None, second.stdout.read()[-3000:]

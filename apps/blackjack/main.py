@@ -257,11 +257,23 @@ async def train_one_step(run: Run, batch: list[Episode]) -> dict:
     return metrics
 
 
+async def check_groups_have_spread(run: Run, filtered_at_step: int) -> None:
+    """Fail loud instead of sampling forever: with DAPO's filter, a collapsed policy (every game of every
+    group decided alike, so equal rewards) never fills a batch again."""
+    filtered = (await run.buffer.stats.call_one())["filtered_zero_spread"] - filtered_at_step
+    if filtered > 50 * run.cfg.grpo.batch_size:
+        raise RuntimeError(
+            f"{filtered} groups since the last train step had equal rewards: the policy has collapsed (entropy near 0). "
+            "Raise grpo.entropy_coef or grpo.group_size, lower trainer.optimizer.lr, or set grpo.filter_zero_spread=false"
+        )
+
+
 async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
     """The training loop: batch -> step -> weights out -> (eval, checkpoint) until max_steps."""
     cfg = run.cfg
     start, episodes_at_start = time.time(), run.episodes_played
     while run.step < cfg.trainer.max_steps:
+        filtered_at_step = (await run.buffer.stats.call_one())["filtered_zero_spread"]
         if cfg.synchronous:
             batch = []
             while len(batch) < cfg.grpo.batch_size * cfg.grpo.group_size:
@@ -271,9 +283,11 @@ async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
                     if group:
                         await run.buffer.add.call_one(group)
                 batch = await run.buffer.sample.call_one(run.version) or []
+                await check_groups_have_spread(run, filtered_at_step)
         else:
             batch = await run.buffer.sample.call_one(run.version)
             if batch is None:
+                await check_groups_have_spread(run, filtered_at_step)
                 for worker in workers:
                     if worker.done() and not worker.cancelled() and worker.exception():
                         raise RuntimeError("a rollout worker stopped; no more data is coming") from worker.exception()
