@@ -80,6 +80,6 @@ def test_train_checkpoint_resume_and_ctrl_c(tmp_path):
     second.send_signal(signal.SIGINT)
     out, _ = second.communicate(timeout=120)
     assert second.returncode == 130, out[-3000:]
-    assert "interrupted" in out
+    assert "interrupted" in out and "learning curve" in out
     _, alive = psutil.wait_procs(spawned, timeout=30)
     assert not alive, f"processes left behind after Ctrl-C: {[p.cmdline()[:3] for p in alive]}"

@@ -527,9 +527,11 @@ async def main(cfg: RunConfig) -> None:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
             progress.close()
-        curve = plot_curves(run_dir, {"train/reward": "training reward", "eval/ev": "eval EV (greedy)"}, run.reference_ev)
-        print(f"done: {run.step} steps, policy version {run.version}; learning curve: {curve}")
+        print(f"done: {run.step} steps, policy version {run.version}")
     finally:
+        if run is not None and run.step:  # also after Ctrl-C: the curve of what was done
+            curve = plot_curves(run_dir, {"train/reward": "training reward", "eval/ev": "eval EV (greedy)"}, run.reference_ev)
+            print(f"learning curve: {curve}", file=sys.stderr)
         await shutdown(run)
         if local_server is not None:
             local_server.stop()
