@@ -56,7 +56,6 @@ from forge_rl.types import Episode
 logger = logging.getLogger("blackjack")
 
 
-
 # ---------------------------------------------------------------------------------------------------
 # One game
 
@@ -78,8 +77,8 @@ class SessionPool:
         try:
             yield session
         except BaseException:
-            await session.close()
-            session = None
+            broken, session = session, None
+            await broken.close()
             raise
         finally:
             self.free.put_nowait(session)
@@ -112,7 +111,7 @@ class Run:
     buffer: object  # ReplayBufferActor
     reference: object | None  # Service of ReferenceModels (kl_coef > 0)
     metrics: MetricsLogger
-    sessions: "SessionPool"
+    sessions: SessionPool
     version: int = 0
     step: int = 0
     next_seed: int = 0
