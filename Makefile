@@ -18,8 +18,9 @@ train: install  ## the main job: GRPO on BlackJack with CONFIG (+ ARGS="key=valu
 test: install  ## the whole suite (real Monarch, vLLM, TorchStore, OpenEnv servers on 127.0.0.1)
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
-bench: install
-	for b in bench/*.py; do echo "== $$b"; $(PYTHON) $$b || exit 1; done
+bench: install  ## figures as ratios against same-run baselines (bench/engine.py runs the engine_*.py benches)
+	$(PYTHON) bench/envs.py
+	$(PYTHON) bench/engine.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
