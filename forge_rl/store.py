@@ -73,9 +73,10 @@ async def put_state_dict(state_dict: dict[str, torch.Tensor], version: int, pref
 async def get_state_dict(version: int, prefix: str = "policy") -> dict[str, torch.Tensor]:
     """Fetch the state dict stored under `{prefix}/v{version}`. KeyError if that version is not there."""
     key = version_key(version, prefix)
-    if version not in await list_versions(prefix):
-        raise KeyError(f"no weights stored under {key!r} (present: {await list_versions(prefix)})")
-    return await torchstore.get_state_dict(key)
+    try:
+        return await torchstore.get_state_dict(key)
+    except RuntimeError as e:  # torchstore 0.1.2: "Mapping is missing from the store"
+        raise KeyError(f"no weights stored under {key!r} (present: {await list_versions(prefix)})") from e
 
 
 async def list_versions(prefix: str = "policy") -> list[int]:
