@@ -120,6 +120,31 @@ def test_concurrent_requests_are_all_served(g):
     assert [len(r[0].token_ids) for r in results] == [5] * 6
 
 
+def test_a_groups_first_answers_come_from_one_request_each_used_once(g):
+    """apps.blackjack.main.SharedFirstTurn on the real generator: the G games of a group share one
+    request of n=G samples, each game gets a different one of them, and a game whose prompt differs asks alone."""
+    from apps.blackjack.main import SharedFirstTurn
+
+    requests = []  # [prompt, sampling, completions] of every request, in the order sent
+
+    async def generate(prompt, sampling):
+        requests.append([prompt, sampling, None])
+        requests[-1][2] = completions = await g.gen.generate.call_one(prompt, sampling)
+        return completions
+
+    async def group():
+        shared = SharedFirstTurn(generate, 6, {"max_tokens": 3, "temperature": 1.0, "ignore_eos": True})
+        answers = await asyncio.gather(*(shared.answer(g.prompt) for _ in range(6)), shared.answer(g.prompt[:-1]))
+        return answers, await shared.answer(g.prompt)  # a 7th game with the shared prompt: n are used up
+
+    answers, seventh = g.run(group())
+    assert sorted((len(p), s.get("n", 1)) for p, s, _ in requests) == [(len(g.prompt) - 1, 1), (len(g.prompt), 1), (len(g.prompt), 6)]
+    (shared,) = [c for _, s, c in requests if s.get("n") == 6]
+    assert [a.token_ids for a in answers[:6]] == [c.token_ids for c in shared]  # each sample once, in order
+    assert len({tuple(a.token_ids) for a in answers[:6]}) > 1
+    assert answers[6].prompt_ids == g.prompt[:-1] and seventh.prompt_ids == g.prompt
+
+
 def test_weight_updates_change_logprobs_stamp_versions_and_restore_exactly(g):
     original = load_file(g.path / "model.safetensors")
     vocab_size = original["lm_head.weight"].shape[0]

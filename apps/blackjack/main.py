@@ -51,7 +51,7 @@ from forge_rl.reference import ReferenceModel
 from forge_rl.replay_buffer import ReplayBufferActor
 from forge_rl.rollout import Conversation
 from forge_rl.trainer import Trainer
-from forge_rl.types import Episode
+from forge_rl.types import Completion, Episode
 
 logger = logging.getLogger("blackjack")
 
@@ -168,8 +168,38 @@ def sampling(cfg: RunConfig, allowed_token_ids: list[int] | None, greedy: bool =
     return params
 
 
-async def play_game(run: Run, seed: int, group_id: str, greedy: bool = False) -> GameResult:
-    """One whole game on its own environment session: observe, ask the policy, act, until done."""
+class SharedFirstTurn:
+    """The first answers of a group's games, sampled by one request (n = group size).
+
+    The games of a group are dealt from one seed, so they all start from the same prompt: one request
+    for n samples costs one message and one prefill where n requests cost n of each (on 2 CPU cores
+    per-request overhead, not the model, bounds how fast games are played). A game whose first prompt
+    differs from the first one seen (an environment that is not deterministic in its seed), or that
+    comes after n others, asks alone. `generate(prompt_ids, sampling) -> list[Completion]`.
+    """
+
+    def __init__(self, generate, n: int, sampling: dict):
+        self.generate, self.n, self.sampling = generate, n, sampling
+        self.prompt: list[int] | None = None
+        self.answers: asyncio.Future | None = None  # -> the n completions of the shared request
+        self.taken = 0
+
+    async def answer(self, prompt_ids: list[int]) -> Completion:
+        if self.answers is None:
+            self.prompt = list(prompt_ids)
+            self.answers = asyncio.ensure_future(self.generate(self.prompt, {**self.sampling, "n": self.n}))
+        if list(prompt_ids) != self.prompt or self.taken >= self.n:
+            (completion,) = await self.generate(list(prompt_ids), self.sampling)
+            return completion
+        index, self.taken = self.taken, self.taken + 1  # taken before awaiting: the other games take theirs meanwhile
+        return (await asyncio.shield(self.answers))[index]
+
+
+async def play_game(
+    run: Run, seed: int, group_id: str, greedy: bool = False, first_turn: SharedFirstTurn | None = None
+) -> GameResult:
+    """One whole game on its own environment session: observe, ask the policy, act, until done.
+    `first_turn`: where the game's first answer comes from when it shares one request with its group."""
     cfg, game = run.cfg, run.game
     async with run.sessions.session() as session:
         try:
@@ -181,7 +211,12 @@ async def play_game(run: Run, seed: int, group_id: str, greedy: bool = False) ->
                 if turn:
                     unclosed = conversation.tokens[-1] != run.tokenizer.eos_token_id
                     conversation.add_turn(prompt_ids(game, run.tokenizer, observation, False, unclosed))
-                (completion,) = await run.policy.route("generate", conversation.prompt_ids, sampling(cfg, run.allowed_token_ids, greedy))
+                if turn == 0 and first_turn is not None:
+                    completion = await first_turn.answer(conversation.prompt_ids)
+                else:
+                    (completion,) = await run.policy.route(
+                        "generate", conversation.prompt_ids, sampling(cfg, run.allowed_token_ids, greedy)
+                    )
                 conversation.add_completion(completion)
                 action = game.parse_action(completion.text)
                 if action is None:
@@ -198,7 +233,14 @@ async def play_game(run: Run, seed: int, group_id: str, greedy: bool = False) ->
 
 async def play_group(run: Run, seed: int) -> list[Episode] | None:
     """G games dealt from one seed: the group GRPO compares (same cards, different decisions)."""
-    results = await asyncio.gather(*(play_game(run, seed, f"seed{seed}") for _ in range(run.cfg.grpo.group_size)))
+    first_turn = SharedFirstTurn(
+        lambda prompt, params: run.policy.route("generate", prompt, params),
+        run.cfg.grpo.group_size,
+        sampling(run.cfg, run.allowed_token_ids),
+    )
+    results = await asyncio.gather(
+        *(play_game(run, seed, f"seed{seed}", first_turn=first_turn) for _ in range(run.cfg.grpo.group_size))
+    )
     run.episodes_played += len(results)
     run.aborted_games += sum(r.aborted for r in results)
     run.recent = (run.recent + [(r.reward, r.invalid) for r in results if not r.aborted])[-2000:]
