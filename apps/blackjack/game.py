@@ -4,7 +4,7 @@ These three functions are the whole contract between an OpenEnv environment and 
 README.md, "Adding an environment"). They take the observation as the dict the client returns
 (forge_rl.envs.blackjack.BlackJackObservation's fields) and import nothing from the server.
 
-The prompt shows the cards, the best total, whether it is soft and the dealer's up card: with
+The prompt shows the player's best total, whether it is soft and the dealer's up card: with
 those a policy can reach basic strategy (EV -0.043 under OpenSpiel's rules); without them the
 best it can do is always stand (EV -0.183). See shared/reference/blackjack.md.
 """
@@ -32,19 +32,20 @@ def card_value(card: str) -> str:
 
 
 def render_prompt(observation: Any) -> str:
-    """The decision as compact text, ending with the instruction to answer HIT or STAND.
+    """The decision in as few tokens as it takes: "Dealer 10. You 17 soft. HIT or STAND?"
 
-    Short and in whole words a small vocabulary has (ranks, not '10H'), so that a tiny model reads
-    every fact it needs as a token of its own: the total, soft or hard, the dealer's card value.
+    A tiny model learning from scratch reads each fact best as one token at the same place before its
+    answer every time: the dealer's card value, the player's total, soft or hard. The cards themselves
+    are left out: basic strategy needs only those three facts (deciding on the exact cards gains
+    0.0003 per hand), and listing them made every hand a different prompt. With this prompt the
+    in-process replica of the training loop reached an eval EV of -0.072 to -0.085 in 70-100 steps;
+    with the cards listed first ("Your cards: A 6 (total 17, soft). Dealer shows: 10. ...") it stayed
+    at -0.12 to -0.14 (see README.md, "What make train does").
     """
     obs = _fields(observation)
     kind = "soft" if obs["soft"] else "hard"
     legal = " or ".join(obs.get("legal_actions") or ACTIONS)
-    return (
-        f"Your cards: {' '.join(card_rank(c) for c in obs['player_cards'])} (total {obs['player_total']}, {kind}).\n"
-        f"Dealer shows: {card_value(obs['dealer_card'])}.\n"
-        f"Answer with one word: {legal}."
-    )
+    return f"Dealer {card_value(obs['dealer_card'])}. You {obs['player_total']} {kind}. {legal}?"
 
 
 def parse_action(text: str) -> dict[str, str] | None:
