@@ -83,3 +83,20 @@ def test_train_checkpoint_resume_and_ctrl_c(tmp_path):
     assert "interrupted" in out and "learning curve" in out
     _, alive = psutil.wait_procs(spawned, timeout=30)
     assert not alive, f"processes left behind after Ctrl-C: {[p.cmdline()[:3] for p in alive]}"
+
+
+def test_sigterm_stops_like_ctrl_c(tmp_path):
+    """kubectl delete or `timeout` send SIGTERM: the run must stop as cleanly as on Ctrl-C."""
+    run_dir = tmp_path / "run"
+    proc = app(run_dir, "trainer.max_steps=50", "eval.interval=0")
+    deadline = time.time() + 600
+    while time.time() < deadline and not any("train/loss" in r for r in metrics(run_dir)):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(1)
+    spawned = descendants(proc)
+    assert len(spawned) >= 4, "expected the app's actor and engine processes"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted" in out, out[-3000:]
+    _, alive = psutil.wait_procs(spawned, timeout=30)
+    assert not alive, f"processes left behind after SIGTERM: {[p.cmdline()[:3] for p in alive]}"

@@ -33,6 +33,7 @@ import contextlib
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -356,7 +357,7 @@ async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
         }
         values.update({f"buffer/{k}": v for k, v in (await run.buffer.stats.call_one()).items()})
         values.update({"rollout/errors": run.rollout_errors, "rollout/aborted_games": run.aborted_games})
-        if cfg.eval.interval and run.step % cfg.eval.interval == 0:
+        if cfg.eval.interval and (run.step % cfg.eval.interval == 0 or run.step == cfg.trainer.max_steps):  # and the final policy
             values.update(await evaluate(run))
         run.metrics.log(run.step, values)
         progress.update(1)
@@ -581,6 +582,9 @@ async def main(cfg: RunConfig) -> None:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = parse_cli()
+    # SIGTERM (kubectl delete, timeout, a scheduler) stops the run like Ctrl-C: actors and engine processes
+    # shut down. Left to its default it would kill this process alone and orphan vLLM's engine processes.
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     try:
         asyncio.run(main(config))
     except KeyboardInterrupt:
