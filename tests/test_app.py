@@ -44,9 +44,29 @@ def descendants(proc: subprocess.Popen) -> list[psutil.Process]:
         return []
 
 
+def wait_for_a_train_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
+    deadline = time.time() + 600
+    while time.time() < deadline and not any(r["step"] >= step and "train/loss" in r for r in metrics(run_dir)):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(1)
+
+
+def stop_and_check_nothing_is_left(proc: subprocess.Popen, sig: int) -> str:
+    """Send `sig` to a running app; it must exit with 130 and take every process it started with it."""
+    spawned = descendants(proc)
+    assert len(spawned) >= 4, "expected the app's actor and engine processes"
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted" in out, out[-3000:]
+    _, alive = psutil.wait_procs(spawned, timeout=30)
+    assert not alive, f"processes left behind after {signal.Signals(sig).name}: {[p.cmdline()[:3] for p in alive]}"
+    return out
+
+
 def test_train_checkpoint_resume_and_ctrl_c(tmp_path):
     run_dir = tmp_path / "run"
-    first = app(run_dir, "trainer.max_steps=2", "synchronous=true")
+    # eval.interval=5 > max_steps: the evaluation at step 2 is the one every run makes of its final policy
+    first = app(run_dir, "trainer.max_steps=2", "synchronous=true", "eval.interval=5")
     out, _ = first.communicate(timeout=600)
     assert first.returncode == 0, out[-3000:]
 
@@ -60,6 +80,7 @@ def test_train_checkpoint_resume_and_ctrl_c(tmp_path):
     assert last["eval/games"] == 16 and -1 <= last["eval/ev"] <= 1
     assert last["train/invalid_rate"] == 0, "constrained decoding makes every answer valid"
     assert (run_dir / "learning_curve.png").stat().st_size > 1000
+    assert "eval/ev" not in rows[0], "step 1 is neither on eval.interval nor the last step"
     assert "group_size: 4" in (run_dir / "config.yaml").read_text()
     assert list((run_dir / "tensorboard").iterdir())
     latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
@@ -67,36 +88,18 @@ def test_train_checkpoint_resume_and_ctrl_c(tmp_path):
 
     # Resume: continues at step 3 with policy version 3, then Ctrl-C.
     second = app(run_dir, "resume=true", "trainer.max_steps=50", "synchronous=false")  # rollouts overlap training
-    deadline = time.time() + 600
-    while time.time() < deadline and not any(r["step"] >= 3 and "train/loss" in r for r in metrics(run_dir)):
-        assert second.poll() is None, second.stdout.read()[-3000:]
-        time.sleep(1)
+    wait_for_a_train_step(second, run_dir, 3)
     resumed = [r for r in metrics(run_dir) if r["step"] >= 3 and "train/loss" in r]
     assert resumed and resumed[0]["step"] == 3
     assert resumed[0]["train/policy_version"] == 3, "resume must continue the policy version"
 
-    spawned = descendants(second)
-    assert len(spawned) >= 4, "expected the app's actor and engine processes"
-    second.send_signal(signal.SIGINT)
-    out, _ = second.communicate(timeout=120)
-    assert second.returncode == 130, out[-3000:]
-    assert "interrupted" in out and "learning curve" in out
-    _, alive = psutil.wait_procs(spawned, timeout=30)
-    assert not alive, f"processes left behind after Ctrl-C: {[p.cmdline()[:3] for p in alive]}"
+    out = stop_and_check_nothing_is_left(second, signal.SIGINT)
+    assert "learning curve" in out
 
 
 def test_sigterm_stops_like_ctrl_c(tmp_path):
     """kubectl delete or `timeout` send SIGTERM: the run must stop as cleanly as on Ctrl-C."""
     run_dir = tmp_path / "run"
     proc = app(run_dir, "trainer.max_steps=50", "eval.interval=0")
-    deadline = time.time() + 600
-    while time.time() < deadline and not any("train/loss" in r for r in metrics(run_dir)):
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        time.sleep(1)
-    spawned = descendants(proc)
-    assert len(spawned) >= 4, "expected the app's actor and engine processes"
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "interrupted" in out, out[-3000:]
-    _, alive = psutil.wait_procs(spawned, timeout=30)
-    assert not alive, f"processes left behind after SIGTERM: {[p.cmdline()[:3] for p in alive]}"
+    wait_for_a_train_step(proc, run_dir, 1)
+    stop_and_check_nothing_is_left(proc, signal.SIGTERM)

@@ -38,8 +38,8 @@ def render_prompt(observation: Any) -> str:
     answer every time: the dealer's card value, the player's total, soft or hard. The cards themselves
     are left out: basic strategy needs only those three facts (deciding on the exact cards gains
     0.0003 per hand), and listing them made every hand a different prompt. With this prompt the
-    in-process replica of the training loop reached an eval EV of -0.072 to -0.085 in 70-100 steps;
-    with the cards listed first ("Your cards: A 6 (total 17, soft). Dealer shows: 10. ...") it stayed
+    in-process replica of the training loop reached an eval EV of -0.072 at step 70 (-0.083 to -0.100
+    over steps 80-100); with the cards listed first ("Your cards: A 6 (total 17, soft). Dealer shows: 10. ...") it stayed
     at -0.12 to -0.14 (see README.md, "What make train does").
     """
     obs = _fields(observation)
