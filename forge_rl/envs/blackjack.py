@@ -4,11 +4,15 @@ The rules, the dealer and the returns are `pyspiel.load_game("blackjack")` (open
 one 52-card deck, HIT/STAND only, dealer stands on all 17s, +1 / 0 / -1. Nothing here decides
 who wins. What this module adds is a reproducible deal and an observation a policy can act on.
 
-Reproducibility: reset(seed) shuffles the 52 cards once with that seed and resolves every chance
-node with the next card of that order. So the same seed and the same decisions give the same
-cards, and different decisions on one seed face the same shoe (a HIT takes the card the dealer
-would otherwise have drawn). A client can therefore restore an episode on a fresh session by
-replaying seed + actions.
+Reproducibility: reset(seed) shuffles the 52 cards once with that seed. The initial deal and the
+dealer's draws take cards from the top of that order, the player's hits from the bottom. So the
+same seed and the same decisions give the same cards, and different decisions on one seed face
+the same dealer: whether the player hits twice or stands, the dealer's hole card and draws are the
+same cards, and the n-th hit is always the same card. Comparing decisions on one seed (a GRPO
+group) then measures the decision, not the dealer's luck. Dealing from both ends of a shuffled deck
+is still dealing without replacement from a uniformly shuffled deck: the game is OpenSpiel's, card
+for card in distribution. A client can restore an episode on a fresh session by replaying seed +
+actions.
 
 Errors are observations: an illegal or unparseable action, or a step after the end, returns the
 unchanged hand with `error` set and no reward; the session goes on. No penalty is applied here;
@@ -55,7 +59,8 @@ class BlackJackObservation(Observation):
 class BlackJackState(State):
     seed: Optional[int] = None
     actions: list[str] = Field(default_factory=list)
-    cards_dealt: int = 0
+    cards_dealt: int = Field(0, description="from the top of the shoe: the initial deal, then the dealer's draws")
+    hits_dealt: int = Field(0, description="from the bottom of the shoe: the player's hits")
 
 
 def _card_name(state: pyspiel.State, card: int) -> str:
@@ -104,6 +109,9 @@ class BlackJackEnvironment(Environment[BlackJackAction, BlackJackObservation, Bl
         self._spiel.apply_action(action_id)
         self._state.actions.append(ACTION_NAMES[action_id])
         self._state.step_count += 1
+        if action_id == ACTIONS["HIT"]:  # the one card a HIT asks for comes from the bottom
+            self._state.hits_dealt += 1
+            self._spiel.apply_action(self._shoe[-self._state.hits_dealt])
         self._deal()
         return self._observe()
 
@@ -112,7 +120,8 @@ class BlackJackEnvironment(Environment[BlackJackAction, BlackJackObservation, Bl
         return self._state
 
     def _deal(self) -> None:
-        """Resolve chance nodes from the shoe: always legal, as the shoe holds each card once."""
+        """Resolve chance nodes from the top of the shoe: always legal, as the shoe holds each card once
+        and a hand never takes all 52 (so top and bottom never meet)."""
         while self._spiel.is_chance_node():
             self._spiel.apply_action(self._shoe[self._state.cards_dealt])
             self._state.cards_dealt += 1
