@@ -78,6 +78,9 @@ def test_train_checkpoint_resume_and_ctrl_c(tmp_path):
     for key in ("train/loss", "train/reward", "train/entropy", "eval/ev", "eval/win", "eval/invalid_rate"):
         assert key in last, key
     assert last["eval/games"] == 16 and -1 <= last["eval/ev"] <= 1
+    # the luck-corrected EV: the model's EV less basic strategy's on the same deals, plus its exact EV
+    corrected = last["eval/ev"] - references["eval/reference/basic_strategy"] - 0.0428
+    assert abs(last["eval/ev_luck_corrected"] - corrected) < 1e-9
     assert last["train/invalid_rate"] == 0, "constrained decoding makes every answer valid"
     assert (run_dir / "learning_curve.png").stat().st_size > 1000
     assert "eval/ev" not in rows[0], "step 1 is neither on eval.interval nor the last step"

@@ -120,29 +120,74 @@ def test_concurrent_requests_are_all_served(g):
     assert [len(r[0].token_ids) for r in results] == [5] * 6
 
 
-def test_a_groups_first_answers_come_from_one_request_each_used_once(g):
-    """apps.blackjack.main.SharedFirstTurn on the real generator: the G games of a group share one
-    request of n=G samples, each game gets a different one of them, and a game whose prompt differs asks alone."""
-    from apps.blackjack.main import SharedFirstTurn
+def test_a_groups_games_at_one_prompt_share_one_request_each_sample_used_once(g):
+    """apps.blackjack.main.SharedRequests on the real generator: the G games of a group share one request
+    of n=G samples at the first turn, each game gets a different one; at the second turn the games that
+    drew the same answer (so reached the same prompt) share one request of n = their number; a game whose
+    prompt is not the one its siblings reached asks alone."""
+    from apps.blackjack.main import SharedRequests
 
     requests = []  # [prompt, sampling, completions] of every request, in the order sent
+    answers = [g.tokenizer.convert_tokens_to_ids(a) for a in ("HIT", "STAND")]
+    reply = g.tokenizer("\nnext", add_special_tokens=False)["input_ids"]  # a deterministic environment's reply
 
     async def generate(prompt, sampling):
-        requests.append([prompt, sampling, None])
-        requests[-1][2] = completions = await g.gen.generate.call_one(prompt, sampling)
-        return completions
+        request = [prompt, sampling, None]
+        requests.append(request)
+        request[2] = await g.gen.generate.call_one(prompt, sampling)
+        return request[2]
+
+    async def game(shared, stray=False):
+        first = await shared.answer(g.prompt)
+        second_prompt = first.prompt_ids + first.token_ids + (reply[:-1] if stray else reply)
+        second = await shared.answer(second_prompt, (tuple(first.prompt_ids), tuple(first.token_ids)))
+        return first, second
 
     async def group():
-        shared = SharedFirstTurn(generate, 6, {"max_tokens": 3, "temperature": 1.0, "ignore_eos": True})
-        answers = await asyncio.gather(*(shared.answer(g.prompt) for _ in range(6)), shared.answer(g.prompt[:-1]))
-        return answers, await shared.answer(g.prompt)  # a 7th game with the shared prompt: n are used up
+        sampling = {"max_tokens": 1, "temperature": 1.0, "allowed_token_ids": answers}
+        shared = SharedRequests(generate, 8, sampling)
+        played = await asyncio.gather(*(game(shared) for _ in range(7)))
+        return played, await game(shared, stray=True)
 
-    answers, seventh = g.run(group())
-    assert sorted((len(p), s.get("n", 1)) for p, s, _ in requests) == [(len(g.prompt) - 1, 1), (len(g.prompt), 1), (len(g.prompt), 6)]
-    (shared,) = [c for _, s, c in requests if s.get("n") == 6]
-    assert [a.token_ids for a in answers[:6]] == [c.token_ids for c in shared]  # each sample once, in order
-    assert len({tuple(a.token_ids) for a in answers[:6]}) > 1
-    assert answers[6].prompt_ids == g.prompt[:-1] and seventh.prompt_ids == g.prompt
+    played, stray = g.run(group())
+    (first_request,) = [r for r in requests if r[0] == g.prompt]
+    assert first_request[1]["n"] == 8  # the 8th sample is the stray's
+    assert [f for f, _ in played] + [stray[0]] == first_request[2]  # each sample once, in order
+    drawn = [c.token_ids[0] for c in first_request[2]]
+    for answer in set(drawn[:7]):  # two answers, seven games: one of them is shared at the second turn
+        (request,) = [r for r in requests if r[0] == g.prompt + [answer] + reply]
+        mine = [second for first, second in played if first.token_ids == [answer]]
+        if drawn.count(answer) > 1:  # one request for as many samples as games drew this answer
+            assert request[1]["n"] == drawn.count(answer)
+            assert all(any(m is c for c in request[2]) for m in mine) and len({id(m) for m in mine}) == len(mine)
+        else:
+            assert "n" not in request[1] and mine == request[2]
+    assert max(drawn[:7].count(a) for a in answers) >= 4
+    assert stray[1].prompt_ids == g.prompt + stray[0].token_ids + reply[:-1]
+    assert len(requests) == 1 + len(set(drawn[:7])) + 1  # the stray asked alone
+
+
+def test_an_evaluation_asks_once_per_distinct_prompt(g):
+    """apps.blackjack.main.GreedyAnswers: games at the same prompt share one greedy request, whose answer
+    is what a request of their own would have returned."""
+    from apps.blackjack.main import GreedyAnswers
+
+    requests = []
+
+    async def ask(prompt, sampling):
+        requests.append(prompt)
+        return await g.gen.generate.call_one(prompt, sampling)
+
+    greedy = dict(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    async def evaluation():
+        answers = GreedyAnswers(ask, greedy)
+        return await asyncio.gather(*(answers.answer(p) for p in [g.prompt, g.prompt[:-1], g.prompt, g.prompt]))
+
+    same, other, *again = g.run(evaluation())
+    assert sorted(map(len, requests)) == [len(g.prompt) - 1, len(g.prompt)]
+    assert all(a is same for a in again) and other.prompt_ids == g.prompt[:-1]
+    assert same.token_ids == generate(g, g.prompt, **greedy)[0].token_ids
 
 
 def test_weight_updates_change_logprobs_stamp_versions_and_restore_exactly(g):

@@ -120,7 +120,7 @@ class Run:
     aborted_games: int = 0
     recent: list = field(default_factory=list)  # (reward, invalid) of recent training games
     rollout_errors: int = 0  # groups lost to an unexpected error (logged)
-    reference_ev: dict = field(default_factory=dict)  # label -> EV of each reference policy on the eval deals
+    references: dict = field(default_factory=dict)  # "eval/reference/<name>" -> its EV on the eval deals
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -169,55 +169,80 @@ def sampling(cfg: RunConfig, allowed_token_ids: list[int] | None, greedy: bool =
     return params
 
 
-class SharedFirstTurn:
-    """The first answers of a group's games, sampled by one request (n = group size).
+class SharedRequests:
+    """The games of a group ask the policy together: games at the same prompt share one request of n samples.
 
-    The games of a group are dealt from one seed, so they all start from the same prompt: one request
-    for n samples costs one message and one prefill where n requests cost n of each (on 2 CPU cores
-    per-request overhead, not the model, bounds how fast games are played). A game whose first prompt
-    differs from the first one seen (an environment that is not deterministic in its seed), or that
-    comes after n others, asks alone. `generate(prompt_ids, sampling) -> list[Completion]`.
+    A group's games are dealt from one seed and the environment is deterministic in its seed and the
+    actions taken, so games that have answered alike so far stand at the same prompt: all G of them at
+    the first turn, and at each later turn those that sampled the same answers. One request for n samples
+    costs one message and one prefill where n requests cost n of each (on 2 CPU cores per-request
+    overhead, not the model, bounds how fast games are played). How many games will reach a prompt is
+    known from the request before it: those that drew the same answer there. Each sample goes to one
+    game only. A game whose prompt is not the one its siblings reached (an environment that is not
+    deterministic in its seed) asks alone. `generate(prompt_ids, sampling) -> list[Completion]`.
     """
 
-    def __init__(self, generate, n: int, sampling: dict):
-        self.generate, self.n, self.sampling = generate, n, sampling
-        self.prompt: list[int] | None = None
-        self.answers: asyncio.Future | None = None  # -> the n completions of the shared request
-        self.taken = 0
+    def __init__(self, generate, group_size: int, sampling: dict):
+        self.generate, self.group_size, self.sampling = generate, group_size, sampling
+        self.shared: dict[tuple, list] = {}  # prompt ids -> [future of its n completions, n, how many taken]
+        self.reached: dict = {}  # (previous prompt ids, previous answer ids), None first -> prompt reached
 
-    async def answer(self, prompt_ids: list[int]) -> Completion:
-        if self.answers is None:
-            self.prompt = list(prompt_ids)
-            self.answers = asyncio.ensure_future(self.generate(self.prompt, {**self.sampling, "n": self.n}))
-        if list(prompt_ids) != self.prompt or self.taken >= self.n:
-            (completion,) = await self.generate(list(prompt_ids), self.sampling)
+    async def answer(self, prompt_ids: list[int], previous: tuple | None = None) -> Completion:
+        """A completion for this game. `previous`: (prompt ids, answer ids) of its previous turn, None on its first."""
+        prompt = tuple(prompt_ids)
+        if previous is None:
+            n = self.group_size
+        else:
+            before = self.shared.get(previous[0])
+            n = sum(tuple(c.token_ids) == previous[1] for c in before[0].result()) if before else 1
+        if self.reached.setdefault(previous, prompt) != prompt:
+            n = 1
+        request = self.shared.get(prompt)
+        if request is None and n > 1:
+            request = self.shared[prompt] = [asyncio.ensure_future(self.generate(list(prompt), {**self.sampling, "n": n})), n, 0]
+        if request is None or request[2] >= request[1]:
+            (completion,) = await self.generate(list(prompt), self.sampling)
             return completion
-        index, self.taken = self.taken, self.taken + 1  # taken before awaiting: the other games take theirs meanwhile
-        return (await asyncio.shield(self.answers))[index]
+        index, request[2] = request[2], request[2] + 1  # taken before awaiting: the other games take theirs meanwhile
+        return (await asyncio.shield(request[0]))[index]
+
+
+class GreedyAnswers:
+    """An evaluation's answers, one request per distinct prompt: greedy decoding is a function of the
+    prompt (and the weights, which do not change during an evaluation), so games that reach the same
+    prompt get the same answer without asking again. Thousands of deals then cost a few hundred
+    requests, and evaluating on many deals (a precise EV) costs little more than on a few."""
+
+    def __init__(self, generate, sampling: dict):
+        self.generate, self.sampling = generate, sampling
+        self.answers: dict[tuple, asyncio.Future] = {}  # prompt ids -> future of its one completion
+
+    async def answer(self, prompt_ids: list[int], previous: tuple | None = None) -> Completion:
+        prompt = tuple(prompt_ids)
+        if prompt not in self.answers:
+            self.answers[prompt] = asyncio.ensure_future(self.generate(list(prompt), self.sampling))
+        return (await asyncio.shield(self.answers[prompt]))[0]
 
 
 async def play_game(
-    run: Run, seed: int, group_id: str, greedy: bool = False, first_turn: SharedFirstTurn | None = None
+    run: Run, seed: int, group_id: str, asks: SharedRequests | GreedyAnswers
 ) -> GameResult:
     """One whole game on its own environment session: observe, ask the policy, act, until done.
-    `first_turn`: where the game's first answer comes from when it shares one request with its group."""
+    `asks`: where the game's answers come from, shared with the other games of its group or evaluation."""
     cfg, game = run.cfg, run.game
     async with run.sessions.session() as session:
         try:
             observation = (await session.reset(seed=seed)).observation
             conversation, invalid = Conversation(prompt_ids(game, run.tokenizer, observation, True)), False
+            previous = None  # (prompt ids, answer ids) of the last turn, for the group's shared requests
             for turn in range(cfg.rollout.max_turns):
                 if observation["done"]:
                     break
                 if turn:
                     unclosed = conversation.tokens[-1] != run.tokenizer.eos_token_id
                     conversation.add_turn(prompt_ids(game, run.tokenizer, observation, False, unclosed))
-                if turn == 0 and first_turn is not None:
-                    completion = await first_turn.answer(conversation.prompt_ids)
-                else:
-                    (completion,) = await run.policy.route(
-                        "generate", conversation.prompt_ids, sampling(cfg, run.allowed_token_ids, greedy)
-                    )
+                completion = await asks.answer(conversation.prompt_ids, previous)
+                previous = (tuple(completion.prompt_ids), tuple(completion.token_ids))
                 conversation.add_completion(completion)
                 action = game.parse_action(completion.text)
                 if action is None:
@@ -234,13 +259,13 @@ async def play_game(
 
 async def play_group(run: Run, seed: int) -> list[Episode] | None:
     """G games dealt from one seed: the group GRPO compares (same cards, different decisions)."""
-    first_turn = SharedFirstTurn(
+    shared = SharedRequests(
         lambda prompt, params: run.policy.route("generate", prompt, params),
         run.cfg.grpo.group_size,
         sampling(run.cfg, run.allowed_token_ids),
     )
     results = await asyncio.gather(
-        *(play_game(run, seed, f"seed{seed}", first_turn=first_turn) for _ in range(run.cfg.grpo.group_size))
+        *(play_game(run, seed, f"seed{seed}", shared) for _ in range(run.cfg.grpo.group_size))
     )
     run.episodes_played += len(results)
     run.aborted_games += sum(r.aborted for r in results)
@@ -364,6 +389,7 @@ async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
         progress.set_postfix(
             reward=f"{values['train/reward']:+.3f}",
             ev=f"{values.get('eval/ev', float('nan')):+.3f}",
+            ev_corrected=f"{values.get('eval/ev_luck_corrected', float('nan')):+.3f}",
             eps=f"{values['train/episodes_per_s']:.1f}/s",
         )
         if cfg.trainer.checkpoint_every and run.step % cfg.trainer.checkpoint_every == 0:
@@ -392,19 +418,36 @@ async def evaluate_references(run: Run) -> dict[str, float]:
 async def evaluate(run: Run) -> dict[str, float]:
     """Greedy play on the fixed deals eval.seed ... eval.seed + num_games - 1 with the current weights."""
     cfg = run.cfg.eval
+    greedy = GreedyAnswers(
+        lambda prompt, params: run.policy.route("generate", prompt, params), sampling(run.cfg, run.allowed_token_ids, greedy=True)
+    )
     results = await asyncio.gather(
-        *(play_game(run, s, f"eval{s}", greedy=True) for s in range(cfg.seed, cfg.seed + cfg.num_games))
+        *(play_game(run, s, f"eval{s}", greedy) for s in range(cfg.seed, cfg.seed + cfg.num_games))
     )
     done = [r for r in results if not r.aborted] or [GameResult(None, 0.0, False)]
-    n = len(done)
+    n, ev = len(done), sum(r.reward for r in done) / len(done)
     return {
-        "eval/ev": sum(r.reward for r in done) / n,
+        "eval/ev": ev,
+        **luck_corrected(run, ev),
         "eval/win": sum(r.reward > 0 for r in done) / n,
         "eval/push": sum(r.reward == 0 and not r.invalid for r in done) / n,
         "eval/loss": sum(r.reward < 0 for r in done) / n,
         "eval/invalid_rate": sum(r.invalid for r in done) / n,
         "eval/games": n,
     }
+
+
+def luck_corrected(run: Run, ev: float) -> dict[str, float]:
+    """The eval EV with the deals' luck taken out: EV - EV of a reference policy on the same deals + that
+    policy's exact EV (a control variate; the app's first REFERENCE_EV). 10,000 deals leave the raw EV
+    +-0.02 (95%) from the truth, mostly luck the model shares with the reference policy on the same
+    cards; the difference of the two is several times more precise (shared/reference/blackjack.md)."""
+    exact = getattr(run.game, "REFERENCE_EV", {})
+    name = next(iter(exact), None)
+    on_these_deals = run.references.get(f"eval/reference/{name}")
+    if on_these_deals is None:
+        return {}
+    return {"eval/ev_luck_corrected": ev - on_these_deals + exact[name]}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -555,10 +598,9 @@ async def main(cfg: RunConfig) -> None:
         if cfg.resume:
             await resume(run)
         if cfg.eval.interval:
-            references = await evaluate_references(run)
-            run.metrics.log(run.step, references)
-            run.reference_ev = {f"{k.split('/')[-1]} {v:+.3f}": v for k, v in references.items()}
-            print("reference policies on the evaluation deals:", {k.split("/")[-1]: round(v, 3) for k, v in references.items()})
+            run.references = await evaluate_references(run)
+            run.metrics.log(run.step, run.references)
+            print("reference policies on the evaluation deals:", {k.split("/")[-1]: round(v, 3) for k, v in run.references.items()})
         progress = tqdm(total=cfg.trainer.max_steps, initial=run.step, desc="GRPO BlackJack", dynamic_ncols=True)
         workers = [] if cfg.synchronous else [asyncio.create_task(rollout_worker(run)) for _ in range(cfg.rollout.num_workers)]
         try:
@@ -572,7 +614,12 @@ async def main(cfg: RunConfig) -> None:
         print(f"done: {run.step} steps, policy version {run.version}")
     finally:
         if run is not None and run.step:  # also after Ctrl-C: the curve of what was done
-            curve = plot_curves(run_dir, {"train/reward": "training reward", "eval/ev": "eval EV (greedy)"}, run.reference_ev)
+            labels = {f"{k.split('/')[-1]} {v:+.3f} on these deals": v for k, v in run.references.items()}
+            curve = plot_curves(
+                run_dir,
+                {"train/reward": "training reward", "eval/ev": "eval EV (greedy)", "eval/ev_luck_corrected": "eval EV, luck-corrected"},
+                labels,
+            )
             print(f"learning curve: {curve}", file=sys.stderr)
         await shutdown(run)
         if local_server is not None:
