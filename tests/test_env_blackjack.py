@@ -78,6 +78,7 @@ def test_same_seed_same_deal_and_the_same_dealer_whatever_the_player_does(server
     """A GRPO group compares decisions on one seed: hitting must not change the dealer's cards."""
     a = run(play(server.url, 11, lambda o: "STAND"))
     assert a == run(play(server.url, 11, lambda o: "STAND"))
+
     def hits_safely_and_dealer_draws(seed):  # 11 or less: one hit cannot bust
         stand = run(play(server.url, seed, lambda o: "STAND"))
         return stand[0]["player_total"] <= 11 and len(stand[-1]["dealer_cards"]) > 2

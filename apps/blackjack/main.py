@@ -123,6 +123,10 @@ class Run:
     references: dict = field(default_factory=dict)  # "eval/reference/<name>" -> its EV on the eval deals
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
+    async def generate(self, prompt_ids: list[int], params: dict) -> list[Completion]:
+        """One request to the policy service (whichever generator replica it routes to)."""
+        return await self.policy.route("generate", prompt_ids, params)
+
 
 def prompt_ids(game, tokenizer, observation: dict, first_turn: bool, close_previous: bool = False) -> list[int]:
     """Token ids of one user turn and the assistant header, tokenized on their own.
@@ -259,11 +263,7 @@ async def play_game(
 
 async def play_group(run: Run, seed: int) -> list[Episode] | None:
     """G games dealt from one seed: the group GRPO compares (same cards, different decisions)."""
-    shared = SharedRequests(
-        lambda prompt, params: run.policy.route("generate", prompt, params),
-        run.cfg.grpo.group_size,
-        sampling(run.cfg, run.allowed_token_ids),
-    )
+    shared = SharedRequests(run.generate, run.cfg.grpo.group_size, sampling(run.cfg, run.allowed_token_ids))
     results = await asyncio.gather(
         *(play_game(run, seed, f"seed{seed}", shared) for _ in range(run.cfg.grpo.group_size))
     )
@@ -418,9 +418,7 @@ async def evaluate_references(run: Run) -> dict[str, float]:
 async def evaluate(run: Run) -> dict[str, float]:
     """Greedy play on the fixed deals eval.seed ... eval.seed + num_games - 1 with the current weights."""
     cfg = run.cfg.eval
-    greedy = GreedyAnswers(
-        lambda prompt, params: run.policy.route("generate", prompt, params), sampling(run.cfg, run.allowed_token_ids, greedy=True)
-    )
+    greedy = GreedyAnswers(run.generate, sampling(run.cfg, run.allowed_token_ids, greedy=True))
     results = await asyncio.gather(
         *(play_game(run, s, f"eval{s}", greedy) for s in range(cfg.seed, cfg.seed + cfg.num_games))
     )
