@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml scripts/install.sh
 	touch $@
 
 train: install  ## the main job: GRPO on BlackJack with CONFIG (+ ARGS="key=value ...")
-	$(PYTHON) -m apps.blackjack.main --config $(CONFIG) $(ARGS)
+	$(PYTHON) -m forge_rl.grpo --config $(CONFIG) $(ARGS)
 
 test: install  ## the whole suite (real Monarch, vLLM, TorchStore, OpenEnv servers on 127.0.0.1)
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)

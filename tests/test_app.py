@@ -1,4 +1,4 @@
-"""The BlackJack app as users run it: `python -m apps.blackjack.main --config ...` in a subprocess, with
+"""The BlackJack app as users run it: `python -m forge_rl.grpo --config ...` in a subprocess, with
 real Monarch actors, vLLM, TorchStore and a BlackJack server on loopback.
 
 Run 1 trains two steps (synchronous: generate, then train) and checkpoints; run 2 resumes from that
@@ -26,7 +26,7 @@ SMALL = [
 
 def app(run_dir: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "apps.blackjack.main", "--config", str(CONFIG), f"run_dir={run_dir}", *SMALL, *overrides],
+        [sys.executable, "-m", "forge_rl.grpo", "--config", str(CONFIG), f"run_dir={run_dir}", *SMALL, *overrides],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )

@@ -123,7 +123,7 @@ def test_job_runs_the_app_with_the_mounted_config_and_the_env_service(objects):
     spec = pod_spec(job)
     (trainer,) = spec["containers"]
     command = trainer["command"]
-    assert command[:3] == ["python", "-m", "apps.blackjack.main"]
+    assert command[:3] == ["python", "-m", "forge_rl.grpo"]
 
     # The --config file comes from the ConfigMap volume, and the ConfigMap holds configs/<same name>.
     volumes = {v["name"]: v for v in spec["volumes"]}

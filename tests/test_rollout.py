@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from apps.blackjack import game
-from apps.blackjack.main import prompt_ids
+from forge_rl.grpo import prompt_ids
 from forge_rl.rollout import Conversation
 from forge_rl.tiny_model import build_tiny_model
 from forge_rl.types import Completion

@@ -1,11 +1,12 @@
-"""GRPO on BlackJack: the whole training job in one file.
+"""The GRPO loop every app shares: the whole training job in one file.
 
-    python -m apps.blackjack.main --config configs/blackjack_tiny_cpu.yaml [dotted.key=value ...]
+    python -m forge_rl.grpo --config configs/blackjack_tiny_cpu.yaml [dotted.key=value ...]
 
-Dataflow (each box a Monarch actor mesh or service, the loops asyncio tasks on this controller):
+An app is only its task module (the config's `app_module`, e.g. apps/blackjack/game.py); this file
+knows no app. Dataflow (each box a Monarch actor mesh or service, the loops asyncio tasks on this controller):
 
-    BlackJack server ◀──action── rollout workers ──prompt ids──▶ policy service (vLLM Generators)
-         (OpenEnv)   ──obs────▶  (G games per seed) ◀─completions (ids, log-probs, version)─┘
+    environment ◀──action── rollout workers ──prompt ids──▶ policy service (vLLM Generators)
+     (OpenEnv)  ──obs────▶  (G games per seed)   ◀─completions (ids, log-probs, version)─┘
                                        │ one group = G games dealt from the same seed
                                        ▼
                                  replay buffer ──batch──▶ training loop ──train_step──▶ Trainer (TorchTitan)
@@ -22,7 +23,7 @@ Dataflow (each box a Monarch actor mesh or service, the loops asyncio tasks on t
 One game is one episode; its turns are one token sequence (forge_rl.rollout.Conversation): what the
 policy sampled is kept as sampled, each new observation is tokenized alone and appended. The prompt,
 the parsing of the answer and the reward are the three functions of the config's `app_module`
-(apps/blackjack/game.py); nothing below knows the rules of BlackJack, so another OpenEnv environment
+(apps/blackjack/game.py); nothing below knows the rules of any game, so another OpenEnv environment
 trains with this file unchanged.
 """
 
@@ -54,7 +55,7 @@ from forge_rl.rollout import Conversation
 from forge_rl.trainer import Trainer
 from forge_rl.types import Completion, Episode
 
-logger = logging.getLogger("blackjack")
+logger = logging.getLogger("forge_rl.grpo")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -599,7 +600,7 @@ async def main(cfg: RunConfig) -> None:
             run.references = await evaluate_references(run)
             run.metrics.log(run.step, run.references)
             print("reference policies on the evaluation deals:", {k.split("/")[-1]: round(v, 3) for k, v in run.references.items()})
-        progress = tqdm(total=cfg.trainer.max_steps, initial=run.step, desc="GRPO BlackJack", dynamic_ncols=True)
+        progress = tqdm(total=cfg.trainer.max_steps, initial=run.step, desc=f"GRPO {cfg.app_module}", dynamic_ncols=True)
         workers = [] if cfg.synchronous else [asyncio.create_task(rollout_worker(run)) for _ in range(cfg.rollout.num_workers)]
         try:
             await train(run, progress, workers)
