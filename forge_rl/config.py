@@ -56,15 +56,21 @@ class EnvConfig:
 
 @dataclass
 class SamplingConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # the trainer and reference score logits / temperature too
+    top_p: float = 1.0  # only 1.0: the trainer cannot mirror top-p truncation
     max_tokens: int = 4  # per turn
     constrained: bool = True  # sample exactly one of the app's answer tokens per turn (trainer mirrors it)
 
     def check(self, key):
-        _positive(self, key, "max_tokens", "top_p")
-        if self.temperature < 0:
-            raise ConfigError(f"{key}.temperature: expected >= 0, got {self.temperature}")
+        """The one rule that keeps behaviour and trained log-probs of the same distribution: the
+        generator returns the log-probs of what it sampled from, and the trainer and reference
+        reproduce that distribution (titan_model.sampling_logits) only for what it can mirror."""
+        _positive(self, key, "max_tokens", "temperature")
+        if self.top_p != 1.0:
+            raise ConfigError(
+                f"{key}.top_p: expected 1.0, got {self.top_p} (the trainer scores the whole distribution, so "
+                "truncated sampling would skew the PPO ratio; lower sampling.temperature instead)"
+            )
 
 
 @dataclass
@@ -86,6 +92,8 @@ class GRPOConfig:
             raise ConfigError(f"{key}.group_size: expected >= 2 (advantages compare a group), got {self.group_size}")
         _positive(self, key, "batch_size")
         _non_negative(self, key, "max_policy_age", "clip_low", "clip_high", "kl_coef", "entropy_coef")
+        if self.clip_low >= 1:
+            raise ConfigError(f"{key}.clip_low: expected < 1 (the ratio is clipped below at 1 - clip_low), got {self.clip_low}")
 
 
 @dataclass

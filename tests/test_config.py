@@ -49,6 +49,10 @@ def write(tmp_path, text):
         (["grpo=3"], r"grpo: expected a section"),
         (["env.url=http://x:1"], r"env: set exactly one of env\.url or env\.server"),
         (["seed=${nope}"], r"seed: .*nope"),
+        (["grpo.clip_low=1.5"], r"grpo\.clip_low: expected < 1"),
+        (["grpo.loss_agg=sum"], r"grpo\.loss_agg: expected one of 'token_mean', 'seq_mean'"),
+        (["sampling.top_p=0.9"], r"sampling\.top_p: expected 1\.0, got 0\.9 \(the trainer scores the whole distribution"),
+        (["sampling.temperature=0"], r"sampling\.temperature: expected > 0"),
     ],
 )
 def test_bad_values_name_the_key_and_the_file(overrides, message):
