@@ -103,7 +103,7 @@ def grpo_loss(
     behaviour_logprobs: torch.Tensor,  # [B, T] log-probs the generator sampled them with
     advantages: torch.Tensor,  # [B] one per sequence, or [B, T] per token
     mask: torch.Tensor,  # [B, T] 1 where the policy sampled the token, 0 elsewhere
-    config: GRPOConfig = GRPOConfig(),  # clip_low/high, kl_coef/estimator, loss_agg, entropy_coef
+    config: GRPOConfig,  # clip_low/high, kl_coef/estimator, loss_agg, entropy_coef
     ref_logprobs: torch.Tensor | None = None,  # [B, T] reference log-probs; needed if kl_coef
     logits: torch.Tensor | None = None,  # [B, T, V] only for the entropy bonus / metric
     denominator: float | None = None,  # see AGGREGATIONS; None: normalise by this batch

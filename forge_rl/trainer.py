@@ -191,6 +191,7 @@ class Trainer(ForgeActor):
         set_model_state_dict(self.model, state["model"])
         self.optimizers.load_state_dict(state["optimizer"])
         self.lr_schedulers.load_state_dict(state["lr_scheduler"])
+        self._apply_schedule()
         self.step, self.policy_version = int(state["progress"]["step"]), int(state["progress"]["policy_version"])
         return {"step": self.step, "policy_version": self.policy_version}
 
@@ -203,6 +204,16 @@ class Trainer(ForgeActor):
             "lr_scheduler": self.lr_schedulers.state_dict(),
             "progress": {"step": self.step, "policy_version": self.policy_version},
         }
+
+    def _apply_schedule(self) -> None:
+        """Set the optimizer's lr to this run's schedule at the restored step. The checkpoint holds the lr
+        of the run that saved it (0 at the end of a decayed schedule): a run resumed with more max_steps
+        would take its first step at that lr."""
+        for scheduler in self.lr_schedulers.schedulers:
+            lrs = [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+            for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            scheduler._last_lr = lrs
 
     def _tensors(self, batch: list[Episode], ref_logprobs) -> dict[str, torch.Tensor]:
         """Episodes -> right-padded [B, T] CPU tensors, lengths [B], and advantages [B]

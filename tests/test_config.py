@@ -1,5 +1,6 @@
 """Config loading: overrides, interpolation, and one-line errors with exit status 2 for every kind of bad input."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,15 @@ def test_overrides_and_interpolation():
     assert cfg.grpo.group_size == 16
     assert cfg.model.tiny_seed == 7, "model.tiny_seed: ${seed} must follow the overridden seed"
     assert cfg.grpo.clip_high == 0.28  # untouched keys keep the file's value
+
+
+def test_defaults_are_the_embedded_defaults(tmp_path):
+    """A minimal YAML (only the environment, as "Adding an environment" shows) trains as `make train`
+    does: every default is the value of configs/blackjack_tiny_cpu.yaml, run_dir aside."""
+    minimal = load_config(write(tmp_path, "env:\n  server: forge_rl.envs.blackjack:BlackJackEnvironment\n"))
+    embedded = load_config(TINY)
+    minimal.run_dir = embedded.run_dir  # where a run writes is the user's, not a training choice
+    assert dataclasses.asdict(minimal) == dataclasses.asdict(embedded)
 
 
 def test_int_is_accepted_where_a_float_is_expected():

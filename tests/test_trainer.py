@@ -21,8 +21,8 @@ from forge_rl.tiny_model import build_tiny_model
 from forge_rl.trainer import Trainer
 from forge_rl.types import Episode
 
-GRPO = GRPOConfig(kl_coef=0.05)
-OPTIM = OptimizerConfig(lr=1e-3)
+GRPO = GRPOConfig(kl_coef=0.05, entropy_coef=0.0, normalize_std=True)
+OPTIM = OptimizerConfig(lr=1e-3, schedule="constant")
 
 
 def make_batch(n_groups=3, group_size=3, seed=0) -> list[Episode]:
@@ -251,3 +251,18 @@ def test_on_policy_train_step_has_ratio_one_at_the_sampling_temperature(model_di
     reference = in_process(ReferenceModel, model_dir, temperature=temperature)
     ref_lp = asyncio.run(ReferenceModel.logprobs._method(reference, [e.tokens for e in batch]))
     assert_lists_close([lp * e.loss_mask for lp, e in zip(ref_lp, batch)], [e.behaviour_logprobs for e in batch], 1e-4)
+
+
+def test_resume_with_more_steps_continues_the_new_schedule(model_dir, tmp_path):
+    """A cosine schedule decays to lr 0 at max_steps; resumed with a larger max_steps, the next step
+    trains at the new schedule's lr, not at the 0 the checkpoint holds."""
+    batch, cosine = make_batch(), OptimizerConfig(lr=1e-3, schedule="cosine")
+    first = in_process(Trainer, model_dir, GRPOConfig(), cosine, max_steps=2)
+    lrs = [asyncio.run(Trainer.train_step._method(first, batch, None))["lr"] for _ in range(2)]
+    asyncio.run(Trainer.save_checkpoint._method(first, str(tmp_path / "ckpt")))
+    assert lrs[0] == 1e-3 and first.optimizers.optimizers[0].param_groups[0]["lr"] == 0
+
+    longer = in_process(Trainer, model_dir, GRPOConfig(), cosine, max_steps=4)
+    asyncio.run(Trainer.load_checkpoint._method(longer, str(tmp_path / "ckpt")))
+    resumed = asyncio.run(Trainer.train_step._method(longer, batch, None))
+    assert resumed["step"] == 3 and resumed["lr"] == pytest.approx(0.5e-3), "cosine over 4 steps is at half at step 2"
