@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -636,10 +637,13 @@ async def main(cfg: RunConfig) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, print_task_stacks)
     run_dir = Path(cfg.run_dir)
     game = load_app_module(cfg.app_module, cfg.sampling.constrained)  # fails before anything starts
-    if cfg.env.server is not None:
+    if cfg.env.server is not None:  # else its failure to start would be the server's whole traceback
         try:
-            load_env_class(cfg.env.server)
-        except ValueError as e:
+            if ":" in cfg.env.server:
+                load_env_class(cfg.env.server)
+            elif importlib.util.find_spec(cfg.env.server) is None:
+                raise ValueError(f"no module named {cfg.env.server!r}")
+        except (ValueError, ImportError) as e:
             raise ConfigError(f"env.server: {e}") from None
     dump(cfg, run_dir / "config.yaml")  # the resolved config, to reproduce the run
     url, local_server = env_url(cfg.env.url, cfg.env.server, cfg.env.max_concurrent)
