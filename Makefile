@@ -2,7 +2,8 @@
 VENV := .venv
 PYTHON := $(VENV)/bin/python
 CONFIG ?= configs/blackjack_tiny_cpu.yaml
-export PYTHONPATH := $(CURDIR)
+# The repository first, then whatever PYTHONPATH the user had (an app module of their own, say).
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 .PHONY: install train test bench clean
 

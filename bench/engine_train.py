@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from forge_rl.actor import stop  # noqa: E402
 from forge_rl.config import GRPOConfig, OptimizerConfig  # noqa: E402
-from forge_rl.loss import LossConfig, group_advantages, grpo_loss  # noqa: E402
+from forge_rl.config import GRPOConfig  # noqa: E402
+from forge_rl.loss import group_advantages, grpo_loss  # noqa: E402
 from forge_rl.tiny_model import build_tiny_model  # noqa: E402
 from forge_rl.titan_model import build_model, pad_right, sequence_logprobs  # noqa: E402
 from forge_rl.trainer import Trainer  # noqa: E402
@@ -70,7 +71,7 @@ class Baseline:
                 self.behaviour[rows, 1:],
                 self.advantages[rows],
                 self.mask[rows, 1:],
-                LossConfig(),
+                GRPOConfig(),
                 logits=logits,
                 denominator=self.denominator,
             )

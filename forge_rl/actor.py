@@ -5,7 +5,7 @@ endpoint does the heavy work (load a model, start an engine), so a failure there
 exception instead of killing a process silently.
 
     trainer = await Trainer.options(procs=2).as_actor(cfg)          # one mesh, setup() done on all ranks
-    await trainer.train_step.call(batch)                              # Monarch's own calling verbs
+    metrics = await call(trainer, "train_step", batch, timeout_s=600)  # rank 0's value; times out loudly
     policy = await Generator.options(num_replicas=2).as_service(cfg)  # N meshes behind one handle
     await policy.route("generate", prompt_ids, sampling)
     await stop(trainer); await policy.stop()
@@ -13,6 +13,7 @@ exception instead of killing a process silently.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass
 
@@ -73,6 +74,7 @@ class Launcher:
             raise ValueError(f"{self.actor_cls.__name__}: as_actor() takes num_replicas=1; use as_service()")
         procs, actor = await self.spawn_mesh(*args, **kwargs)
         _procs_of[id(actor)] = procs
+        _name_of[id(actor)] = self.actor_cls.__name__
         return actor
 
     async def as_service(self, *args, **kwargs):
@@ -84,10 +86,42 @@ class Launcher:
 
 
 _procs_of: dict[int, object] = {}  # id(actor mesh from as_actor) -> its proc mesh, for stop()
+_name_of: dict[int, str] = {}  # id(actor mesh from as_actor) -> its class name, for call()'s errors
+
+
+async def call(actor, endpoint: str, *args, timeout_s: float, **kwargs):
+    """Call `endpoint` on every rank of an actor made by `as_actor`; return rank 0's value. Raises
+    TimeoutError naming the actor and the endpoint if it takes longer than `timeout_s`: a hung actor
+    stops the caller with a reason instead of hanging it (services have their own timeouts)."""
+    name = _name_of.get(id(actor), type(actor).__name__)
+    try:
+        values = await asyncio.wait_for(getattr(actor, endpoint).call(*args, **kwargs), timeout_s)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"{name}.{endpoint} did not return within {timeout_s:g} s") from None
+    return values.item(procs=0)
+
+
+async def start_all(*launches):
+    """Await launches (`as_actor` / `as_service` calls; one may return None) together and return what
+    they started. If any fails, stop every one that did start, then raise the first error: a failed
+    start leaves no process behind."""
+    from forge_rl.service import Service
+
+    started = await asyncio.gather(*launches, return_exceptions=True)
+    failed = [x for x in started if isinstance(x, BaseException)]
+    if failed:
+        for x in started:
+            if isinstance(x, Service):
+                await x.stop()
+            elif x is not None and not isinstance(x, BaseException):
+                await stop(x)
+        raise failed[0]
+    return started
 
 
 async def stop(actor) -> None:
     """Stop an actor made by `as_actor` and its processes."""
+    _name_of.pop(id(actor), None)
     procs = _procs_of.pop(id(actor), None)
     if procs is not None:
         await get_provisioner().stop_procs(procs)

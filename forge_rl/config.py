@@ -30,8 +30,9 @@ class ConfigError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------
-# The schema. Every key a user tunes; defaults are the tiny CPU run's. Comments in configs/*.yaml
-# explain each key to users; here `check()` states what values are possible.
+# The schema. Every key a user tunes; defaults are those of configs/blackjack_tiny_cpu.yaml (the
+# embedded default), so a minimal YAML trains as `make train` does (tests/test_config.py checks it).
+# Comments in configs/*.yaml explain each key to users; here `check()` states what values are possible.
 
 
 @dataclass
@@ -45,7 +46,7 @@ class ModelConfig:
 class EnvConfig:
     url: Optional[str] = None  # a running OpenEnv server, e.g. http://blackjack:8000
     server: Optional[str] = None  # or "module:Class" to launch on loopback for local runs
-    max_concurrent: int = 16  # sessions the local server accepts (MAX_CONCURRENT_ENVS)
+    max_concurrent: int = 32  # sessions the local server accepts (MAX_CONCURRENT_ENVS)
     timeout_s: float = 30.0  # per call to the environment
 
     def check(self, key):
@@ -56,44 +57,52 @@ class EnvConfig:
 
 @dataclass
 class SamplingConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # the trainer and reference score logits / temperature too
+    top_p: float = 1.0  # only 1.0: the trainer cannot mirror top-p truncation
     max_tokens: int = 4  # per turn
     constrained: bool = True  # sample exactly one of the app's answer tokens per turn (trainer mirrors it)
 
     def check(self, key):
-        _positive(self, key, "max_tokens", "top_p")
-        if self.temperature < 0:
-            raise ConfigError(f"{key}.temperature: expected >= 0, got {self.temperature}")
+        """The one rule that keeps behaviour and trained log-probs of the same distribution: the
+        generator returns the log-probs of what it sampled from, and the trainer and reference
+        reproduce that distribution (titan_model.sampling_logits) only for what it can mirror."""
+        _positive(self, key, "max_tokens", "temperature")
+        if self.top_p != 1.0:
+            raise ConfigError(
+                f"{key}.top_p: expected 1.0, got {self.top_p} (the trainer scores the whole distribution, so "
+                "truncated sampling would skew the PPO ratio; lower sampling.temperature instead)"
+            )
 
 
 @dataclass
 class GRPOConfig:
-    group_size: int = 8  # games per group, dealt from the same seed
-    batch_size: int = 4  # groups per train step
+    group_size: int = 4  # games per group, dealt from the same seed
+    batch_size: int = 64  # groups per train step
     max_policy_age: int = 1  # drop data sampled more than this many versions ago
-    normalize_std: bool = True  # False: Dr.GRPO advantages (no division by the group std)
+    normalize_std: bool = False  # False: Dr.GRPO advantages (no division by the group std)
     clip_low: float = 0.2  # PPO clip, ratio >= 1 - clip_low
     clip_high: float = 0.28  # DAPO clip-higher, ratio <= 1 + clip_high
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
-    entropy_coef: float = 0.0
-    filter_zero_spread: bool = True  # DAPO dynamic sampling: skip groups whose rewards are all equal
+    entropy_coef: float = 0.3
+    filter_zero_spread: bool = False  # DAPO dynamic sampling: skip groups whose rewards are all equal
 
     def check(self, key):
         if self.group_size < 2:
             raise ConfigError(f"{key}.group_size: expected >= 2 (advantages compare a group), got {self.group_size}")
         _positive(self, key, "batch_size")
         _non_negative(self, key, "max_policy_age", "clip_low", "clip_high", "kl_coef", "entropy_coef")
+        if self.clip_low >= 1:
+            raise ConfigError(f"{key}.clip_low: expected < 1 (the ratio is clipped below at 1 - clip_low), got {self.clip_low}")
 
 
 @dataclass
 class OptimizerConfig:
-    lr: float = 1e-5
+    lr: float = 3e-4
     weight_decay: float = 0.0
     warmup_steps: int = 0
-    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
     max_grad_norm: float = 1.0
 
     def check(self, key):
@@ -104,13 +113,14 @@ class OptimizerConfig:
 @dataclass
 class TrainerConfig:
     procs: int = 1  # ranks; > 1 shards with FSDP2
-    micro_batch_size: int = 8  # sequences per forward/backward on one rank (memory vs speed)
-    max_steps: int = 100
-    checkpoint_every: int = 50  # steps; 0 disables
+    micro_batch_size: int = 32  # sequences per forward/backward on one rank (memory vs speed)
+    max_steps: int = 200
+    checkpoint_every: int = 25  # steps; 0 disables (the last step is checkpointed too)
+    timeout_s: float = 3600.0  # per call to the trainer (train step, weights push, checkpoint)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
     def check(self, key):
-        _positive(self, key, "procs", "micro_batch_size", "max_steps")
+        _positive(self, key, "procs", "micro_batch_size", "max_steps", "timeout_s")
         _non_negative(self, key, "checkpoint_every")
 
 
@@ -118,7 +128,7 @@ class TrainerConfig:
 class GeneratorConfig:
     num_replicas: int = 1
     procs: int = 1  # tensor-parallel ranks per replica
-    max_model_len: int = 1024
+    max_model_len: int = 512
     gpu_memory_utilization: float = 0.05  # on CPU: share of host memory for the KV cache
 
     def check(self, key):
@@ -137,7 +147,7 @@ class ReferenceConfig:
 
 @dataclass
 class RolloutConfig:
-    num_workers: int = 2  # concurrent game-playing tasks on the controller
+    num_workers: int = 64  # concurrent game-playing tasks on the controller
     max_turns: int = 8  # decisions per game before it is cut off
     invalid_action_penalty: float = 1.0  # a game ended by an unparseable answer scores -penalty
 
@@ -148,8 +158,8 @@ class RolloutConfig:
 
 @dataclass
 class EvalConfig:
-    interval: int = 10  # train steps between evaluations; 0 disables
-    num_games: int = 200  # fixed seeded deals, greedy decoding
+    interval: int = 25  # train steps between evaluations; 0 disables
+    num_games: int = 10_000  # fixed seeded deals, greedy decoding
     seed: int = 1_000_000  # first seed of the evaluation deals (disjoint from training seeds)
 
     def check(self, key):
@@ -172,7 +182,7 @@ class RunConfig:
     run_dir: str = "runs/default"
     seed: int = 0
     resume: bool = False
-    synchronous: bool = False  # True: generate a batch, then train on it (no overlap)
+    synchronous: bool = True  # generate a batch with the current weights, then train on it (on-policy, no overlap)
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)

@@ -116,7 +116,12 @@ class WeightGate:
         async with self._cond:
             await self._cond.wait_for(lambda: not self._swapping)
             self._swapping = True
-            await self._cond.wait_for(lambda: self._running == 0)
+            try:
+                await self._cond.wait_for(lambda: self._running == 0)
+            except BaseException:  # cancelled while running requests finish: reopen the gate
+                self._swapping = False
+                self._cond.notify_all()
+                raise
         try:
             yield
         finally:
@@ -224,5 +229,9 @@ def write_weights_file(state_dict: dict[str, torch.Tensor]) -> Path:
     folder = shm if os.path.isdir(shm) and shutil.disk_usage(shm).free > 2 * nbytes else tempfile.gettempdir()
     fd, name = tempfile.mkstemp(prefix="forge_rl_weights_", suffix=".safetensors", dir=folder)
     os.close(fd)
-    save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, name)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, name)
+    except BaseException:
+        os.unlink(name)
+        raise
     return Path(name)

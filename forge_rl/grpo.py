@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -44,8 +45,9 @@ from pathlib import Path
 import torch
 
 from forge_rl import store
-from forge_rl.actor import stop
-from forge_rl.config import RunConfig, dump, parse_cli
+from forge_rl.actor import call, start_all, stop
+from forge_rl.config import ConfigError, RunConfig, dump, parse_cli
+from forge_rl.envs import load_env_class
 from forge_rl.envs.client import EnvSession, EpisodeAborted, env_url
 from forge_rl.generator import Generator
 from forge_rl.metrics import MetricsLogger, plot_curves
@@ -56,6 +58,8 @@ from forge_rl.trainer import Trainer
 from forge_rl.types import Completion, Episode
 
 logger = logging.getLogger("forge_rl.grpo")
+BUFFER_TIMEOUT_S = 60.0  # per call to the replay buffer actor (every endpoint returns at once)
+STALL_WARNING_S = 60.0  # a training loop without a step for this long says what it waits for
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -92,6 +96,10 @@ class SessionPool:
                 await session.close()
 
 
+class EnvironmentLost(RuntimeError):
+    """No game can be played any more (the environment server stopped answering): the run stops."""
+
+
 @dataclass
 class GameResult:
     episode: Episode | None  # None when the game had no decision or was aborted
@@ -121,6 +129,8 @@ class Run:
     aborted_games: int = 0
     recent: list = field(default_factory=list)  # (reward, invalid) of recent training games
     rollout_errors: int = 0  # groups lost to an unexpected error (logged)
+    groups_lost_in_a_row: int = 0  # groups whose every game was aborted, since the last one that was not
+    last_abort: str = ""  # why the last aborted game was
     references: dict = field(default_factory=dict)  # "eval/reference/<name>" -> its EV on the eval deals
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -157,9 +167,14 @@ def answer_token_ids(game, tokenizer) -> list[int]:
     for answer in game.ACTIONS:
         encoded = tokenizer(answer, add_special_tokens=False)["input_ids"]
         if len(encoded) != 1:
-            raise SystemExit(
-                f"config error: sampling.constrained needs each answer to be one token; {answer!r} is "
+            raise ConfigError(
+                f"sampling.constrained needs each answer to be one token; {answer!r} is "
                 f"{len(encoded)} tokens for this tokenizer: set sampling.constrained=false"
+            )
+        if tokenizer.unk_token_id is not None and encoded[0] == tokenizer.unk_token_id:
+            raise ConfigError(
+                f"answer {answer!r} of {game.__name__}.ACTIONS is not in the model's vocabulary (it is the "
+                f"unknown token {tokenizer.unk_token!r}): use words the model knows (docs/blackjack_tiny_cpu.md) or set model.path"
             )
         ids += encoded
     return ids
@@ -256,6 +271,7 @@ async def play_game(
                 observation = (await session.step(action)).observation
         except EpisodeAborted as e:
             logger.warning("game on seed %d dropped: %s", seed, e)
+            run.last_abort = str(e)
             return GameResult(None, 0.0, False, aborted=True)
     reward = game.reward(observation, invalid, cfg.rollout.invalid_action_penalty)
     episode = conversation.to_episode(reward, group_id) if conversation.versions else None
@@ -270,6 +286,12 @@ async def play_group(run: Run, seed: int) -> list[Episode] | None:
     )
     run.episodes_played += len(results)
     run.aborted_games += sum(r.aborted for r in results)
+    run.groups_lost_in_a_row = run.groups_lost_in_a_row + 1 if all(r.aborted for r in results) else 0
+    if run.groups_lost_in_a_row >= 20:
+        raise EnvironmentLost(
+            f"every game of the last {run.groups_lost_in_a_row} groups was aborted (last: {run.last_abort}): "
+            "the environment server is gone; check env.url / env.server"
+        )
     run.recent = (run.recent + [(r.reward, r.invalid) for r in results if not r.aborted])[-2000:]
     episodes = [r.episode for r in results if r.episode is not None]
     return episodes if len(episodes) == len(results) else None  # a group with a dropped game is not comparable
@@ -289,15 +311,17 @@ async def rollout_worker(run: Run) -> None:
     while not run.stopping.is_set():
         # Back-pressure: one batch waiting is enough; more would only go stale while taking the
         # trainer's CPU (on a small machine they share it).
-        if (await run.buffer.stats.call_one())["groups"] >= run.cfg.grpo.batch_size:
+        if (await call(run.buffer, "stats", timeout_s=BUFFER_TIMEOUT_S))["groups"] >= run.cfg.grpo.batch_size:
             await asyncio.sleep(0.05)
             continue
         seed, run.next_seed = run.next_seed, run.next_seed + 1
         try:
             group = await play_group(run, seed)
             if group:
-                await run.buffer.add.call_one(group)
+                await call(run.buffer, "add", group, timeout_s=BUFFER_TIMEOUT_S)
             failures_in_a_row = 0
+        except EnvironmentLost:
+            raise
         except Exception as e:
             run.rollout_errors += 1
             failures_in_a_row += 1
@@ -313,10 +337,11 @@ async def train_one_step(run: Run, batch: list[Episode]) -> dict:
     ref_logprobs = None
     if run.reference is not None:
         ref_logprobs = await run.reference.route("logprobs", [e.tokens for e in batch])
-    metrics = (await run.trainer.train_step.call(batch, ref_logprobs)).item(procs=0)
+    timeout_s = run.cfg.trainer.timeout_s
+    metrics = await call(run.trainer, "train_step", batch, ref_logprobs, timeout_s=timeout_s)
     trained = time.perf_counter()
     run.version, run.step = run.version + 1, run.step + 1
-    await run.trainer.push_weights.call(run.version)
+    await call(run.trainer, "push_weights", run.version, timeout_s=timeout_s)
     pushed = time.perf_counter()
     await run.policy.fanout("update_weights", run.version)
     if run.version - 1 >= 1:  # version 0 is the model directory itself; older versions are no longer served
@@ -328,7 +353,7 @@ async def train_one_step(run: Run, batch: list[Episode]) -> dict:
 async def check_groups_have_spread(run: Run, filtered_at_step: int) -> None:
     """Fail loud instead of sampling forever: with DAPO's filter, a collapsed policy (every game of every
     group decided alike, so equal rewards) never fills a batch again."""
-    filtered = (await run.buffer.stats.call_one())["filtered_zero_spread"] - filtered_at_step
+    filtered = (await call(run.buffer, "stats", timeout_s=BUFFER_TIMEOUT_S))["filtered_zero_spread"] - filtered_at_step
     if filtered > 50 * run.cfg.grpo.batch_size:
         raise RuntimeError(
             f"{filtered} groups since the last train step had equal rewards: the policy has collapsed (entropy near 0). "
@@ -341,24 +366,27 @@ async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
     cfg = run.cfg
     start, episodes_at_start = time.time(), run.episodes_played
     while run.step < cfg.trainer.max_steps:
-        filtered_at_step = (await run.buffer.stats.call_one())["filtered_zero_spread"]
-        if cfg.synchronous:
+        filtered_at_step = (await call(run.buffer, "stats", timeout_s=BUFFER_TIMEOUT_S))["filtered_zero_spread"]
+        waiting_since = time.time()
+        if cfg.synchronous:  # the buffer keeps no data of an older version (start: max_policy_age 0)
             batch = []
             while len(batch) < cfg.grpo.batch_size * cfg.grpo.group_size:
                 seeds = range(run.next_seed, run.next_seed + cfg.rollout.num_workers)
                 run.next_seed += cfg.rollout.num_workers
                 for group in await asyncio.gather(*(play_group(run, s) for s in seeds)):
                     if group:
-                        await run.buffer.add.call_one(group)
-                batch = await run.buffer.sample.call_one(run.version) or []
+                        await call(run.buffer, "add", group, timeout_s=BUFFER_TIMEOUT_S)
+                batch = await call(run.buffer, "sample", run.version, timeout_s=BUFFER_TIMEOUT_S) or []
                 await check_groups_have_spread(run, filtered_at_step)
+                waiting_since = await warn_if_stalled(run, waiting_since)
         else:
-            batch = await run.buffer.sample.call_one(run.version)
+            batch = await call(run.buffer, "sample", run.version, timeout_s=BUFFER_TIMEOUT_S)
             if batch is None:
                 await check_groups_have_spread(run, filtered_at_step)
                 for worker in workers:
                     if worker.done() and not worker.cancelled() and worker.exception():
                         raise RuntimeError("a rollout worker stopped; no more data is coming") from worker.exception()
+                waiting_since = await warn_if_stalled(run, waiting_since)
                 await asyncio.sleep(0.05)
                 continue
         metrics = await train_one_step(run, batch)
@@ -381,7 +409,7 @@ async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
             "time/push_weights_s": metrics["push_s"],
             "time/update_weights_s": metrics["load_s"],
         }
-        values.update({f"buffer/{k}": v for k, v in (await run.buffer.stats.call_one()).items()})
+        values.update({f"buffer/{k}": v for k, v in (await call(run.buffer, "stats", timeout_s=BUFFER_TIMEOUT_S)).items()})
         values.update({"rollout/errors": run.rollout_errors, "rollout/aborted_games": run.aborted_games})
         if cfg.eval.interval and (run.step % cfg.eval.interval == 0 or run.step == cfg.trainer.max_steps):  # and the final policy
             values.update(await evaluate(run))
@@ -393,8 +421,24 @@ async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
             ev_corrected=f"{values.get('eval/ev_luck_corrected', float('nan')):+.3f}",
             eps=f"{values['train/episodes_per_s']:.1f}/s",
         )
-        if cfg.trainer.checkpoint_every and run.step % cfg.trainer.checkpoint_every == 0:
-            await save_checkpoint(run)
+        if cfg.trainer.checkpoint_every and (run.step % cfg.trainer.checkpoint_every == 0 or run.step == cfg.trainer.max_steps):
+            await save_checkpoint(run)  # and at the end, so that a run can be continued with more steps
+
+
+async def warn_if_stalled(run: Run, since: float) -> float:
+    """Every STALL_WARNING_S without a train step, say what the loop waits for; returns when it last
+    said so (or `since`)."""
+    if time.time() - since < STALL_WARNING_S:
+        return since
+    stats = await call(run.buffer, "stats", timeout_s=BUFFER_TIMEOUT_S)
+    logger.warning(
+        "no train step for %.0f s: the replay buffer holds %d of the %d groups a step needs (groups added %d, "
+        "refused for equal rewards %d, evicted as older than max_policy_age %d; games played %d, aborted %d, "
+        "groups lost to errors %d)",
+        time.time() - since, stats["groups"], run.cfg.grpo.batch_size, stats["added"], stats["filtered_zero_spread"],
+        stats["evicted_stale"], run.episodes_played, run.aborted_games, run.rollout_errors,
+    )
+    return time.time()
 
 
 async def play_reference(run: Run, policy, seed: int) -> float:
@@ -423,7 +467,10 @@ async def evaluate(run: Run) -> dict[str, float]:
     results = await asyncio.gather(
         *(play_game(run, s, f"eval{s}", greedy) for s in range(cfg.seed, cfg.seed + cfg.num_games))
     )
-    done = [r for r in results if not r.aborted] or [GameResult(None, 0.0, False)]
+    done = [r for r in results if not r.aborted]
+    if not done:
+        logger.warning("evaluation: all %d games were aborted; no evaluation at step %d", len(results), run.step)
+        return {"eval/games": 0}
     n, ev = len(done), sum(r.reward for r in done) / len(done)
     return {
         "eval/ev": ev,
@@ -440,7 +487,7 @@ def luck_corrected(run: Run, ev: float) -> dict[str, float]:
     """The eval EV with the deals' luck taken out: EV - EV of a reference policy on the same deals + that
     policy's exact EV (a control variate; the app's first REFERENCE_EV). 10,000 deals leave the raw EV
     +-0.02 (95%) from the truth, mostly luck the model shares with the reference policy on the same
-    cards; the difference of the two is several times more precise (shared/reference/blackjack.md)."""
+    cards; the difference of the two is several times more precise."""
     exact = getattr(run.game, "REFERENCE_EV", {})
     name = next(iter(exact), None)
     on_these_deals = run.references.get(f"eval/reference/{name}")
@@ -459,7 +506,7 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 async def save_checkpoint(run: Run) -> None:
     path = checkpoint_dir(Path(run.cfg.run_dir)) / f"step_{run.step:06d}"
-    await run.trainer.save_checkpoint.call(str(path))
+    await call(run.trainer, "save_checkpoint", str(path), timeout_s=run.cfg.trainer.timeout_s)
     progress = {"step": run.step, "version": run.version, "next_seed": run.next_seed, "path": str(path)}
     latest = checkpoint_dir(Path(run.cfg.run_dir)) / "latest.json"
     latest.with_suffix(".tmp").write_text(json.dumps(progress))
@@ -469,11 +516,12 @@ async def save_checkpoint(run: Run) -> None:
 async def resume(run: Run) -> None:
     latest = checkpoint_dir(Path(run.cfg.run_dir)) / "latest.json"
     if not latest.exists():
-        raise SystemExit(f"resume=true but {latest} does not exist: no checkpoint to resume from")
+        raise ConfigError(f"resume=true but {latest} does not exist: no checkpoint to resume from")
     progress = json.loads(latest.read_text())
-    restored = (await run.trainer.load_checkpoint.call(progress["path"])).item(procs=0)
+    restored = await call(run.trainer, "load_checkpoint", progress["path"], timeout_s=run.cfg.trainer.timeout_s)
     run.step, run.version, run.next_seed = progress["step"], restored["policy_version"], progress["next_seed"]
-    await run.trainer.push_weights.call(run.version)
+    run.metrics.drop_after(run.step)  # the rows of steps after the checkpoint are logged again
+    await call(run.trainer, "push_weights", run.version, timeout_s=run.cfg.trainer.timeout_s)
     await run.policy.fanout("update_weights", run.version)
     logger.info("resumed at step %d, policy version %d", run.step, run.version)
 
@@ -500,11 +548,11 @@ def load_app_module(name: str, constrained: bool):
     try:
         module = importlib.import_module(name)
     except ImportError as e:
-        raise SystemExit(f"config error: app_module {name!r} cannot be imported: {e}") from None
+        raise ConfigError(f"app_module {name!r} cannot be imported: {e}") from None
     needed = ["render_prompt", "parse_action", "reward"] + (["ACTIONS"] if constrained else [])
     missing = [n for n in needed if not hasattr(module, n)]
     if missing:
-        raise SystemExit(f"config error: app_module {name!r} lacks {', '.join(missing)}")
+        raise ConfigError(f"app_module {name!r} lacks {', '.join(missing)}")
     return module
 
 
@@ -517,16 +565,16 @@ async def start(cfg: RunConfig, game, url: str) -> Run:
     allowed = answer_token_ids(game, tokenizer) if cfg.sampling.constrained else None
     gpus = torch.cuda.is_available()
     await store.start()
-    policy, trainer, buffer, reference = await asyncio.gather(
+    policy, trainer, buffer, reference = await start_all(  # one that fails stops the others
         Generator.options(procs=cfg.generator.procs, with_gpus=gpus, num_replicas=cfg.generator.num_replicas).as_service(
             model_path, cfg.model.dtype, cfg.generator, cfg.seed
         ),
         Trainer.options(procs=cfg.trainer.procs, with_gpus=gpus).as_actor(
             model_path, cfg.grpo, cfg.trainer.optimizer, cfg.trainer.max_steps, cfg.model.dtype,
-            micro_batch_size=cfg.trainer.micro_batch_size, allowed_token_ids=allowed,
+            micro_batch_size=cfg.trainer.micro_batch_size, allowed_token_ids=allowed, temperature=cfg.sampling.temperature,
         ),
-        ReplayBufferActor.options().as_actor(
-            cfg.grpo.batch_size, cfg.grpo.max_policy_age, filter_zero_spread=cfg.grpo.filter_zero_spread
+        ReplayBufferActor.options().as_actor(  # synchronous: on-policy, no group of an older version is kept
+            cfg.grpo.batch_size, 0 if cfg.synchronous else cfg.grpo.max_policy_age, filter_zero_spread=cfg.grpo.filter_zero_spread
         ),
         _maybe_reference(cfg, model_path, gpus, allowed),
     )
@@ -556,7 +604,7 @@ async def _maybe_reference(cfg: RunConfig, model_path: str, gpus: bool, allowed:
     if cfg.grpo.kl_coef <= 0:
         return None
     return await ReferenceModel.options(num_replicas=cfg.reference.num_replicas, with_gpus=gpus).as_service(
-        model_path, cfg.model.dtype, allowed_token_ids=allowed
+        model_path, cfg.model.dtype, allowed_token_ids=allowed, temperature=cfg.sampling.temperature
     )
 
 
@@ -589,6 +637,14 @@ async def main(cfg: RunConfig) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, print_task_stacks)
     run_dir = Path(cfg.run_dir)
     game = load_app_module(cfg.app_module, cfg.sampling.constrained)  # fails before anything starts
+    if cfg.env.server is not None:  # else its failure to start would be the server's whole traceback
+        try:
+            if ":" in cfg.env.server:
+                load_env_class(cfg.env.server)
+            elif importlib.util.find_spec(cfg.env.server) is None:
+                raise ValueError(f"no module named {cfg.env.server!r}")
+        except (ValueError, ImportError) as e:
+            raise ConfigError(f"env.server: {e}") from None
     dump(cfg, run_dir / "config.yaml")  # the resolved config, to reproduce the run
     url, local_server = env_url(cfg.env.url, cfg.env.server, cfg.env.max_concurrent)
     run = None
@@ -598,7 +654,8 @@ async def main(cfg: RunConfig) -> None:
             await resume(run)
         if cfg.eval.interval:
             run.references = await evaluate_references(run)
-            run.metrics.log(run.step, run.references)
+            if not cfg.resume:  # a resumed run's log has them already
+                run.metrics.log(run.step, run.references)
             print("reference policies on the evaluation deals:", {k.split("/")[-1]: round(v, 3) for k, v in run.references.items()})
         progress = tqdm(total=cfg.trainer.max_steps, initial=run.step, desc=f"GRPO {cfg.app_module}", dynamic_ncols=True)
         workers = [] if cfg.synchronous else [asyncio.create_task(rollout_worker(run)) for _ in range(cfg.rollout.num_workers)]
@@ -630,9 +687,14 @@ if __name__ == "__main__":
     config = parse_cli()
     # SIGTERM (kubectl delete, timeout, a scheduler) stops the run like Ctrl-C: actors and engine processes
     # shut down. Left to its default it would kill this process alone and orphan vLLM's engine processes.
+    # SIGINT is restored first: a run started in the background by a script inherits it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     try:
         asyncio.run(main(config))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted: actors stopped, checkpoints kept in", Path(config.run_dir) / "checkpoints", file=sys.stderr)
         sys.exit(130)

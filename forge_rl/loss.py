@@ -15,10 +15,10 @@ generator's and the trainer's numerics (TIS/MIS); the behaviour log-probs alread
 the policy-version lag, which is what the clip is for.
 """
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
+
+from forge_rl.config import GRPOConfig
 
 # ---------------------------------------------------------------------------- advantage
 
@@ -98,40 +98,12 @@ AGGREGATIONS = {"token_mean": token_mean, "seq_mean": seq_mean}
 # ---------------------------------------------------------------------------- the loss
 
 
-@dataclass
-class LossConfig:
-    """GRPO loss knobs (defaults: DAPO's clip-higher, no KL, no entropy bonus).
-
-    Field names match the run config's `grpo` section, so `LossConfig.from_config(cfg.grpo)`.
-    """
-
-    clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
-    clip_high: float = 0.28  # and above at 1 + clip_high (DAPO clip-higher: 0.28 > 0.2)
-    kl_coef: float = 0.0  # weight of KL(policy || reference); 0 needs no reference model
-    kl_estimator: str = "k3"  # one of KL_ESTIMATORS
-    loss_agg: str = "token_mean"  # one of AGGREGATIONS
-    entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss); needs logits
-
-    @classmethod
-    def from_config(cls, section) -> "LossConfig":
-        """Pick this dataclass's fields out of a larger config section (e.g. GRPOConfig)."""
-        return cls(**{f: getattr(section, f) for f in cls.__dataclass_fields__ if hasattr(section, f)})
-
-    def __post_init__(self):
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"loss.kl_estimator={self.kl_estimator!r}: use one of {sorted(KL_ESTIMATORS)}")
-        if self.loss_agg not in AGGREGATIONS:
-            raise ValueError(f"loss.loss_agg={self.loss_agg!r}: use one of {sorted(AGGREGATIONS)}")
-        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ValueError("loss.clip_low must be in [0, 1) and loss.clip_high >= 0")
-
-
 def grpo_loss(
     logprobs: torch.Tensor,  # [B, T] current policy log-probs of the sampled tokens (with grad)
     behaviour_logprobs: torch.Tensor,  # [B, T] log-probs the generator sampled them with
     advantages: torch.Tensor,  # [B] one per sequence, or [B, T] per token
     mask: torch.Tensor,  # [B, T] 1 where the policy sampled the token, 0 elsewhere
-    config: LossConfig = LossConfig(),
+    config: GRPOConfig,  # clip_low/high, kl_coef/estimator, loss_agg, entropy_coef
     ref_logprobs: torch.Tensor | None = None,  # [B, T] reference log-probs; needed if kl_coef
     logits: torch.Tensor | None = None,  # [B, T, V] only for the entropy bonus / metric
     denominator: float | None = None,  # see AGGREGATIONS; None: normalise by this batch

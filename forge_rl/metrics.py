@@ -38,6 +38,12 @@ class MetricsLogger:
         if self.wandb:
             self.wandb.log(values, step=step)
 
+    def drop_after(self, step: int) -> None:
+        """Forget the JSON-lines rows of steps after `step`: a run resumed from that step's checkpoint
+        logs them again (TensorBoard and W&B keep both)."""
+        kept = [json.dumps(r) + "\n" for r in read_metrics(self.path.parent) if r["step"] <= step]
+        self.path.write_text("".join(kept))
+
     def close(self) -> None:
         if self.tensorboard:
             self.tensorboard.close()
@@ -66,7 +72,8 @@ def plot_curves(run_dir: Path, curves: dict[str, str], references: dict[str, flo
             ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, label=label)
     for label, value in references.items():
         ax.axhline(value, linestyle="--", linewidth=0.8, color="gray")
-        ax.annotate(label, (0, value), fontsize=7, color="gray", va="bottom")
+        # x in axes fraction (inside the axis whatever its step range), y in data
+        ax.annotate(label, (0.01, value), xycoords=ax.get_yaxis_transform(), fontsize=7, color="gray", va="bottom")
     ax.set_xlabel("train step")
     ax.set_ylabel("return per hand")
     ax.legend(loc="lower right")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import socket
 
 import monarch.actor
 from monarch.actor import MeshFailure, ProcMesh, this_host
@@ -44,12 +43,6 @@ def _set_environment(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Provisioner:
     """Hands out proc meshes and GPUs; one per controller process (see `get_provisioner`)."""
 
@@ -64,6 +57,8 @@ class Provisioner:
         install_fault_hook()
 
     def spawn_procs(self, procs: int, with_gpus: bool = False, name: str = "forge") -> ProcMesh:
+        from forge_rl.envs.client import free_port
+
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(procs)}
         gpus = []
         if with_gpus:

@@ -24,10 +24,16 @@ class ReferenceModel(ForgeActor):
     `logprobs` any number of times. Invariant: weights never change after setup."""
 
     def __init__(
-        self, model_path: str, dtype: str = "float32", micro_batch_size: int = 8, allowed_token_ids: list[int] | None = None
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        micro_batch_size: int = 8,
+        allowed_token_ids: list[int] | None = None,
+        temperature: float = 1.0,
     ):
         self.model_path, self.dtype, self.micro_batch_size = model_path, dtype, micro_batch_size
-        self.allowed_token_ids = allowed_token_ids  # as the Trainer's: the generator's sampling restriction
+        # As the Trainer's: the generator's sampling distribution (restriction and temperature).
+        self.allowed_token_ids, self.temperature = allowed_token_ids, temperature
 
     @endpoint
     async def setup(self) -> None:
@@ -41,5 +47,5 @@ class ReferenceModel(ForgeActor):
         """All ranks of one replica; returns at once with the result. Per sequence [T] fp32
         log-probs aligned with its ids (position 0 is 0)."""
         return logprobs_of(
-            self.model, token_ids, self.device, self.dtype, self.micro_batch_size, self.allowed_token_ids
+            self.model, token_ids, self.device, self.dtype, self.micro_batch_size, self.allowed_token_ids, self.temperature
         )

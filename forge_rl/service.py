@@ -43,6 +43,7 @@ class Replica:
     in_flight: int = 0
     restarts: int = 0
     restarting: asyncio.Task | None = field(default=None, repr=False)
+    probe: asyncio.Task | None = field(default=None, repr=False)  # the health probe in flight
 
 
 class Service:
@@ -70,15 +71,21 @@ class Service:
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await asyncio.gather(*(self._spawn(r) for r in self.replicas))
+        """Spawn every replica; if any fails, stop those that started and raise its error."""
+        spawned = await asyncio.gather(*(self._spawn(r) for r in self.replicas), return_exceptions=True)
+        failed = [e for e in spawned if isinstance(e, BaseException)]
+        if failed:
+            await self.stop()
+            raise failed[0]
         self._health_task = asyncio.create_task(self._health_loop())
 
     async def stop(self) -> None:
         if self._health_task:
             self._health_task.cancel()
         for r in self.replicas:
-            if r.restarting:
-                r.restarting.cancel()
+            for task in (r.restarting, r.probe):
+                if task:
+                    task.cancel()
             r.healthy = False
             if r.procs is not None:
                 await get_provisioner().stop_procs(r.procs)
@@ -112,14 +119,23 @@ class Service:
                 await asyncio.sleep(self.health_interval_s)
 
     async def _health_loop(self) -> None:
+        """Probe every healthy replica each interval, each in a task of its own: a replica whose probe
+        hangs delays no other's, and gets no second probe until its first one ends."""
         while True:
             await asyncio.sleep(self.health_interval_s)
             for r in self.replicas:
-                if r.healthy:
-                    try:
-                        await asyncio.wait_for(r.actor.ping.call(), self.call_timeout_s)
-                    except (SupervisionError, asyncio.TimeoutError) as e:
-                        self._mark_dead(r, f"health probe: {e!r}")
+                if r.healthy and (r.probe is None or r.probe.done()):
+                    r.probe = asyncio.create_task(self._probe(r))
+
+    async def _probe(self, replica: Replica) -> None:
+        """A replica whose processes died or that does not answer within the call timeout is marked
+        dead; any other error is logged, so that probing outlives whatever one probe runs into."""
+        try:
+            await asyncio.wait_for(replica.actor.ping.call(), self.call_timeout_s)
+        except (SupervisionError, asyncio.TimeoutError) as e:
+            self._mark_dead(replica, f"health probe: {e!r}")
+        except Exception as e:
+            logger.warning("%s replica %d: health probe failed: %s", self.name, replica.index, _first_line(e))
 
     # ---- calls -------------------------------------------------------------------------------------
 
@@ -193,3 +209,7 @@ class Service:
         async with asyncio.timeout(timeout):
             while not all(r.healthy for r in self.replicas):
                 await asyncio.sleep(0.1)
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else repr(e)

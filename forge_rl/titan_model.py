@@ -156,26 +156,33 @@ def pad_right(rows: list[torch.Tensor], length: int, value=0) -> torch.Tensor:
     return out
 
 
-def restrict_logits(logits: torch.Tensor, allowed_token_ids: list[int] | None) -> torch.Tensor:
-    """Keep only `allowed_token_ids` possible, as vLLM's `allowed_token_ids` sampling does, so that
-    log-probs and entropy are those of the distribution the generator sampled from. None: no change."""
-    if allowed_token_ids is None:
-        return logits
-    keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-    keep[list(allowed_token_ids)] = True
-    return logits.masked_fill(~keep, -1e9)  # finite, so that 0 * log 0 terms of the entropy stay 0
+def sampling_logits(logits: torch.Tensor, allowed_token_ids: list[int] | None, temperature: float = 1.0) -> torch.Tensor:
+    """The logits of the distribution the generator samples from, so that the trainer's and the
+    reference's log-probs and entropy are of that distribution (the generator returns processed
+    log-probs): only `allowed_token_ids` possible, as vLLM's `allowed_token_ids` sampling does, and
+    divided by the sampling temperature. Top-p/top-k truncation is not mirrored, so the config
+    refuses it (SamplingConfig.check)."""
+    if allowed_token_ids is not None:
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        keep[list(allowed_token_ids)] = True
+        logits = logits.masked_fill(~keep, -1e9)  # finite, so that 0 * log 0 terms of the entropy stay 0
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def sequence_logprobs(
-    model: torch.nn.Module, tokens: torch.Tensor, with_logits: bool = False, allowed_token_ids: list[int] | None = None
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    with_logits: bool = False,
+    allowed_token_ids: list[int] | None = None,
+    temperature: float = 1.0,
 ):
     """Log-prob of each token given those before it: tokens [B, T] -> [B, T] (position 0: 0).
 
     Positions are aligned with `tokens` like Episode.behaviour_logprobs, so masks and
     behaviour log-probs index the same way. Returns (logprobs, logits [B, T-1, V] or None).
-    With `allowed_token_ids`, every position's distribution is renormalised over those ids.
+    Of the sampling distribution: see `sampling_logits`.
     """
-    logits = restrict_logits(model(tokens[:, :-1]), allowed_token_ids)  # [B, T-1, V]: position t predicts t+1
+    logits = sampling_logits(model(tokens[:, :-1]), allowed_token_ids, temperature)  # [B, T-1, V]: position t predicts t+1
     lp = token_logprobs(logits, tokens[:, 1:])  # [B, T-1]
     lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)  # [B, T]
     return lp, (logits if with_logits else None)
@@ -183,7 +190,8 @@ def sequence_logprobs(
 
 @torch.no_grad()
 def logprobs_of(
-    model, token_ids: list[torch.Tensor], device, dtype: str, micro_batch_size: int = 8, allowed_token_ids=None
+    model, token_ids: list[torch.Tensor], device, dtype: str, micro_batch_size: int = 8, allowed_token_ids=None,
+    temperature: float = 1.0,
 ) -> list[torch.Tensor]:
     """Per-token log-probs [T_i] (fp32, CPU) of each 1-D id tensor, in micro-batches."""
     out = []
@@ -191,6 +199,6 @@ def logprobs_of(
         rows = token_ids[start : start + micro_batch_size]
         tokens = pad_right([torch.as_tensor(r) for r in rows], max(len(r) for r in rows)).to(device)
         with autocast(device, dtype):
-            lp, _ = sequence_logprobs(model, tokens, allowed_token_ids=allowed_token_ids)
+            lp, _ = sequence_logprobs(model, tokens, allowed_token_ids=allowed_token_ids, temperature=temperature)
         out.extend(lp[i, : len(r)].float().cpu() for i, r in enumerate(rows))
     return out

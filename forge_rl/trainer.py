@@ -29,7 +29,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 from forge_rl import store
 from forge_rl.actor import ForgeActor
 from forge_rl.config import GRPOConfig, OptimizerConfig
-from forge_rl.loss import LossConfig, group_advantages, grpo_loss
+from forge_rl.loss import group_advantages, grpo_loss
 from forge_rl.titan_model import (
     autocast,
     build_model,
@@ -64,11 +64,11 @@ class Trainer(ForgeActor):
         dtype: str = "float32",  # compute dtype: float32 on CPU, bfloat16 on GPU
         micro_batch_size: int = 8,  # sequences per forward/backward on one rank
         allowed_token_ids: list[int] | None = None,  # the generator's sampling restriction, if any
+        temperature: float = 1.0,  # the generator's sampling temperature (titan_model.sampling_logits)
     ):
         self.model_path, self.grpo, self.optim_config = model_path, grpo, optimizer
         self.max_steps, self.dtype, self.micro_batch_size = max_steps, dtype, micro_batch_size
-        self.allowed_token_ids = allowed_token_ids
-        self.loss_config = LossConfig.from_config(grpo)
+        self.allowed_token_ids, self.temperature = allowed_token_ids, temperature
 
     @endpoint
     async def setup(self) -> None:
@@ -105,7 +105,7 @@ class Trainer(ForgeActor):
         """
         t = self._tensors(batch, ref_logprobs)
         # Normalise by the whole batch so that micro-batches and ranks add up to its gradient.
-        if self.loss_config.loss_agg == "token_mean":
+        if self.grpo.loss_agg == "token_mean":
             denominator = t["mask"].sum().clamp(min=1).item()
         else:
             denominator = (t["mask"].sum(-1) > 0).sum().clamp(min=1).item()
@@ -171,7 +171,7 @@ class Trainer(ForgeActor):
         self.model.eval()
         try:
             return logprobs_of(
-                self.model, token_ids, self.device, self.dtype, self.micro_batch_size, self.allowed_token_ids
+                self.model, token_ids, self.device, self.dtype, self.micro_batch_size, self.allowed_token_ids, self.temperature
             )
         finally:
             self.model.train()
@@ -191,6 +191,7 @@ class Trainer(ForgeActor):
         set_model_state_dict(self.model, state["model"])
         self.optimizers.load_state_dict(state["optimizer"])
         self.lr_schedulers.load_state_dict(state["lr_scheduler"])
+        self._apply_schedule()
         self.step, self.policy_version = int(state["progress"]["step"]), int(state["progress"]["policy_version"])
         return {"step": self.step, "policy_version": self.policy_version}
 
@@ -204,12 +205,22 @@ class Trainer(ForgeActor):
             "progress": {"step": self.step, "policy_version": self.policy_version},
         }
 
+    def _apply_schedule(self) -> None:
+        """Set the optimizer's lr to this run's schedule at the restored step. The checkpoint holds the lr
+        of the run that saved it (0 at the end of a decayed schedule): a run resumed with more max_steps
+        would take its first step at that lr."""
+        for scheduler in self.lr_schedulers.schedulers:
+            lrs = [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+            for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            scheduler._last_lr = lrs
+
     def _tensors(self, batch: list[Episode], ref_logprobs) -> dict[str, torch.Tensor]:
         """Episodes -> right-padded [B, T] CPU tensors, lengths [B], and advantages [B]
         computed per group (group_id) from the rewards."""
         if not batch:
             raise ValueError("train_step: empty batch")
-        if self.loss_config.kl_coef > 0 and ref_logprobs is None:
+        if self.grpo.kl_coef > 0 and ref_logprobs is None:
             raise ValueError("train_step: grpo.kl_coef > 0 needs ref_logprobs (ReferenceModel.logprobs of the batch)")
         length = max(len(e.tokens) for e in batch)
 
@@ -244,14 +255,14 @@ class Trainer(ForgeActor):
 
         with autocast(self.device, self.dtype):
             lp, logits = sequence_logprobs(
-                self.model, t["tokens"][rows, :length].to(self.device), True, self.allowed_token_ids
+                self.model, t["tokens"][rows, :length].to(self.device), True, self.allowed_token_ids, self.temperature
             )
         return grpo_loss(
             lp[:, 1:],
             take("behaviour"),
             t["advantages"][rows].to(self.device),
             take("mask") * weight,
-            self.loss_config,
+            self.grpo,
             ref_logprobs=take("ref"),
             logits=logits,
             denominator=denominator,

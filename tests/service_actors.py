@@ -8,13 +8,29 @@ from monarch.actor import concurrent_endpoint, endpoint
 
 
 class EchoActor(ForgeActor):
-    def __init__(self, tag: str):
+    def __init__(self, tag: str, fail_setup_unless_first: str | None = None):
         self.tag = tag
         self.ready = False
+        self.fail_setup_unless_first = fail_setup_unless_first  # a path: only the first replica's setup succeeds
+        self.ping_mode = "answer"
 
     @endpoint
     async def setup(self):
+        if self.fail_setup_unless_first is not None and not _first_to_create(self.fail_setup_unless_first, os.getpid()):
+            raise RuntimeError("setup failed on purpose")
         self.ready = True
+
+    @concurrent_endpoint
+    async def ping(self) -> bool:
+        if self.ping_mode == "hang":
+            await asyncio.sleep(3600)
+        if self.ping_mode == "raise":
+            raise ValueError("ping failed on purpose")
+        return True
+
+    @endpoint
+    async def set_ping(self, mode: str) -> None:
+        self.ping_mode = mode
 
     @endpoint
     async def whoami(self) -> tuple[str, int, bool]:
@@ -36,6 +52,13 @@ class EchoActor(ForgeActor):
     async def die(self):
         os._exit(7)
 
+    @endpoint
+    async def die_if_first(self, path: str) -> int:
+        """Exits if it is the first call (of any replica) given `path`; later calls return their pid."""
+        if _first_to_create(path, os.getpid()):
+            os._exit(7)
+        return os.getpid()
+
 
 class StoreReader(ForgeActor):
     """Reads weights from TorchStore in its own process, as a generator does."""
@@ -45,3 +68,14 @@ class StoreReader(ForgeActor):
         from forge_rl import store
 
         return await store.get_state_dict(version)
+
+
+def _first_to_create(path: str, pid: int) -> bool:
+    """Create `path` holding `pid` unless it exists: True for the one process that created it."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, str(pid).encode())
+    os.close(fd)
+    return True

@@ -1,9 +1,10 @@
 """The BlackJack app as users run it: `python -m forge_rl.grpo --config ...` in a subprocess, with
 real Monarch actors, vLLM, TorchStore and a BlackJack server on loopback.
 
-Run 1 trains two steps (synchronous: generate, then train) and checkpoints; run 2 resumes from that
-checkpoint (same step and policy version onwards) with rollouts overlapping training, and is stopped
-with Ctrl-C mid-run, which must end it cleanly with no process left behind.
+Run 1 trains two steps (synchronous: generate, then train, at temperature 0.7) and checkpoints its
+last step; run 2 resumes from that checkpoint (same step and policy version onwards) with rollouts
+overlapping training, and is stopped with Ctrl-C mid-run, which must end it cleanly with no process
+left behind.
 """
 
 import json
@@ -16,6 +17,9 @@ from pathlib import Path
 
 import psutil
 
+from forge_rl.config import LoggingConfig
+from forge_rl.metrics import MetricsLogger, read_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "blackjack_tiny_cpu.yaml"
 SMALL = [
@@ -24,17 +28,14 @@ SMALL = [
 ]
 
 
-def app(run_dir: Path, *overrides: str) -> subprocess.Popen:
+def app(run_dir: Path, *overrides: str, sigint_ignored: bool = False) -> subprocess.Popen:
+    """The app in a subprocess; `sigint_ignored`: as a script's background job starts it (SIGINT ignored)."""
     return subprocess.Popen(
         [sys.executable, "-m", "forge_rl.grpo", "--config", str(CONFIG), f"run_dir={run_dir}", *SMALL, *overrides],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
     )
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def descendants(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -46,7 +47,7 @@ def descendants(proc: subprocess.Popen) -> list[psutil.Process]:
 
 def wait_for_a_train_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
     deadline = time.time() + 600
-    while time.time() < deadline and not any(r["step"] >= step and "train/loss" in r for r in metrics(run_dir)):
+    while time.time() < deadline and not any(r["step"] >= step and "train/loss" in r for r in read_metrics(run_dir)):
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         time.sleep(1)
 
@@ -65,19 +66,29 @@ def stop_and_check_nothing_is_left(proc: subprocess.Popen, sig: int) -> str:
 
 def test_train_checkpoint_resume_and_ctrl_c(tmp_path):
     run_dir = tmp_path / "run"
-    # eval.interval=5 > max_steps: the evaluation at step 2 is the one every run makes of its final policy
-    first = app(run_dir, "trainer.max_steps=2", "synchronous=true", "eval.interval=5")
+    # eval.interval=5 > max_steps: the evaluation at step 2 is the one every run makes of its final policy,
+    # and checkpoint_every=5 > max_steps: the checkpoint of step 2 is the one every run makes at its end.
+    # 3 workers for batches of 2 groups: each round of play leaves a group over for the next step.
+    first = app(run_dir, "trainer.max_steps=2", "synchronous=true", "eval.interval=5", "trainer.checkpoint_every=5",
+                "rollout.num_workers=3", "sampling.temperature=0.7")
     out, _ = first.communicate(timeout=600)
     assert first.returncode == 0, out[-3000:]
 
-    rows = metrics(run_dir)
+    rows = read_metrics(run_dir)
     references = rows.pop(0)  # logged once at the start: the reference policies on the eval deals
     assert references["step"] == 0 and -1 <= references["eval/reference/basic_strategy"] <= 1
     assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:  # synchronous is on-policy: every group of a step sampled by the weights it trains
+        assert row["train/policy_age"] == 0, "a synchronous step trained on data of an older version"
+        # ...so the PPO ratio is 1, at temperature 0.7 too (the trainer scores logits / temperature)
+        assert abs(row["train/ratio_max"] - 1) < 1e-3, row["train/ratio_max"]
     last = rows[-1]
     for key in ("train/loss", "train/reward", "train/entropy", "eval/ev", "eval/win", "eval/invalid_rate"):
         assert key in last, key
-    assert last["eval/games"] == 16 and -1 <= last["eval/ev"] <= 1
+    assert last["eval/games"] == 16 and last["eval/invalid_rate"] == 0
+    win, push, loss = last["eval/win"], last["eval/push"], last["eval/loss"]
+    assert abs(win + push + loss - 1) < 1e-9 and all(round(16 * x, 9) == int(round(16 * x)) for x in (win, push, loss))
+    assert abs(last["eval/ev"] - (win - loss)) < 1e-9, "a hand returns +1, 0 or -1 (docs/blackjack.md)"
     # the luck-corrected EV: the model's EV less basic strategy's on the same deals, plus its exact EV
     corrected = last["eval/ev"] - references["eval/reference/basic_strategy"] - 0.0428
     assert abs(last["eval/ev_luck_corrected"] - corrected) < 1e-9
@@ -92,17 +103,39 @@ def test_train_checkpoint_resume_and_ctrl_c(tmp_path):
     # Resume: continues at step 3 with policy version 3, then Ctrl-C.
     second = app(run_dir, "resume=true", "trainer.max_steps=50", "synchronous=false")  # rollouts overlap training
     wait_for_a_train_step(second, run_dir, 3)
-    resumed = [r for r in metrics(run_dir) if r["step"] >= 3 and "train/loss" in r]
+    resumed = [r for r in read_metrics(run_dir) if r["step"] >= 3 and "train/loss" in r]
     assert resumed and resumed[0]["step"] == 3
     assert resumed[0]["train/policy_version"] == 3, "resume must continue the policy version"
 
     out = stop_and_check_nothing_is_left(second, signal.SIGINT)
     assert "learning curve" in out
+    rows = read_metrics(run_dir)
+    assert sum("eval/reference/basic_strategy" in r for r in rows) == 1, "the references are logged once per run_dir"
+    steps = [r["step"] for r in rows if "train/loss" in r]
+    assert steps == sorted(set(steps)), f"a step logged twice: {steps}"
+
+
+def test_a_resumed_run_forgets_the_rows_it_logs_again(tmp_path):
+    logger = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False))
+    for step in range(1, 5):
+        logger.log(step, {"train/loss": float(step)})
+    logger.drop_after(2)  # resumed from the checkpoint of step 2
+    logger.log(3, {"train/loss": 30.0})
+    assert [(r["step"], r["train/loss"]) for r in read_metrics(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_bad_app_module_or_env_server_exits_2_with_one_line(tmp_path):
+    for override, named in (("app_module=apps.nope", "app_module 'apps.nope'"), ("env.server=nope.env:Env", "env.server")):
+        proc = app(tmp_path / "run", override)
+        out, _ = proc.communicate(timeout=300)
+        lines = [line for line in out.splitlines() if "Warning: setting HYPERACTOR" not in line]
+        assert proc.returncode == 2 and len(lines) == 1 and named in lines[0] and "config error" in lines[0], out
 
 
 def test_sigterm_stops_like_ctrl_c(tmp_path):
-    """kubectl delete or `timeout` send SIGTERM: the run must stop as cleanly as on Ctrl-C."""
+    """kubectl delete or `timeout` send SIGTERM: the run must stop as cleanly as on Ctrl-C, also when a
+    script started it in the background (SIGINT ignored, which the SIGTERM handler relies on)."""
     run_dir = tmp_path / "run"
-    proc = app(run_dir, "trainer.max_steps=50", "eval.interval=0")
+    proc = app(run_dir, "trainer.max_steps=50", "eval.interval=0", sigint_ignored=True)
     wait_for_a_train_step(proc, run_dir, 1)
     stop_and_check_nothing_is_left(proc, signal.SIGTERM)

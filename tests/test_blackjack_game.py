@@ -64,7 +64,7 @@ def test_reward():
 
 def test_reference_policies_reach_their_published_ev_on_many_deals():
     """Basic strategy, mimic-the-dealer and always-stand played on 3,000 seeded deals land near the EVs
-    of shared/reference/blackjack.md (-0.043, -0.080, -0.183; 95% interval about +-0.035)."""
+    of docs/blackjack.md (-0.043, -0.080, -0.183; 95% interval about +-0.035)."""
     from apps.blackjack.game import REFERENCE_EV, REFERENCE_POLICIES
 
     env = BlackJackEnvironment()

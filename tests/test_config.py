@@ -1,5 +1,6 @@
 """Config loading: overrides, interpolation, and one-line errors with exit status 2 for every kind of bad input."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,15 @@ def test_overrides_and_interpolation():
     assert cfg.grpo.clip_high == 0.28  # untouched keys keep the file's value
 
 
+def test_defaults_are_the_embedded_defaults(tmp_path):
+    """A minimal YAML (only the environment, as "Adding an environment" shows) trains as `make train`
+    does: every default is the value of configs/blackjack_tiny_cpu.yaml, run_dir aside."""
+    minimal = load_config(write(tmp_path, "env:\n  server: forge_rl.envs.blackjack:BlackJackEnvironment\n"))
+    embedded = load_config(TINY)
+    minimal.run_dir = embedded.run_dir  # where a run writes is the user's, not a training choice
+    assert dataclasses.asdict(minimal) == dataclasses.asdict(embedded)
+
+
 def test_int_is_accepted_where_a_float_is_expected():
     assert load_config(TINY, ["trainer.optimizer.lr=1"]).trainer.optimizer.lr == 1.0
 
@@ -49,6 +59,10 @@ def write(tmp_path, text):
         (["grpo=3"], r"grpo: expected a section"),
         (["env.url=http://x:1"], r"env: set exactly one of env\.url or env\.server"),
         (["seed=${nope}"], r"seed: .*nope"),
+        (["grpo.clip_low=1.5"], r"grpo\.clip_low: expected < 1"),
+        (["grpo.loss_agg=sum"], r"grpo\.loss_agg: expected one of 'token_mean', 'seq_mean'"),
+        (["sampling.top_p=0.9"], r"sampling\.top_p: expected 1\.0, got 0\.9 \(the trainer scores the whole distribution"),
+        (["sampling.temperature=0"], r"sampling\.temperature: expected > 0"),
     ],
 )
 def test_bad_values_name_the_key_and_the_file(overrides, message):

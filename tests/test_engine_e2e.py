@@ -66,12 +66,13 @@ def test_grpo_steps_raise_reward_with_versioned_weights_and_invariants(tmp_path)
         tokenizer = AutoTokenizer.from_pretrained(model)
         hit, stand = (tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in ("HIT", "STAND"))
         allowed = [hit, stand]
-        grpo = GRPOConfig(group_size=GROUP_SIZE, batch_size=GROUPS_PER_STEP, max_policy_age=0, kl_coef=0.01)
+        grpo = GRPOConfig(group_size=GROUP_SIZE, batch_size=GROUPS_PER_STEP, max_policy_age=0, kl_coef=0.01,
+                          entropy_coef=0.0, normalize_std=True)
 
         await store.start()
         policy, trainer, reference, buffer, unrestricted = await asyncio.gather(
             Generator.options(num_replicas=1).as_service(model, "float32", GeneratorConfig(max_model_len=256)),
-            Trainer.options(procs=1).as_actor(model, grpo, OptimizerConfig(lr=3e-4), STEPS, "float32",
+            Trainer.options(procs=1).as_actor(model, grpo, OptimizerConfig(lr=3e-4, schedule="constant"), STEPS, "float32",
                                               allowed_token_ids=allowed),
             ReferenceModel.options(num_replicas=1).as_service(model, "float32", allowed_token_ids=allowed),
             ReplayBufferActor.options().as_actor(GROUPS_PER_STEP, 0),

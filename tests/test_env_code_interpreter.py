@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from forge_rl.envs.client import EnvSession, launch_local
-from forge_rl.envs.sandbox import detect_isolation
+from forge_rl.envs.sandbox import _HARNESS, detect_isolation
 
 SECRET = "forge-test-secret-6c1f"
 TIMEOUT_S = 2
@@ -50,18 +50,38 @@ def assert_healthy(server):
 
 
 def sandbox_processes():
-    """Live (non-zombie) processes owned by sandbox uids: there must be none between runs."""
+    """Live (non-zombie) processes of sandboxed programs: there must be none between runs. Found by the
+    uid (a root server gives each run its own, >= 2e9) or, whatever the uid, by the harness in their
+    command line, which their forked children (daemons included) keep."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             status = open(f"/proc/{pid}/status").read()
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode("utf-8", "replace")
         except OSError:
             continue
         uid = int(status.split("Uid:")[1].split()[0])
         state = status.split("State:")[1].split()[0]
-        if uid >= 2_000_000_000 and state != "Z":
+        if (uid >= 2_000_000_000 or _HARNESS in cmdline) and state != "Z":
             found.append((pid, uid, state))
     return found
+
+
+def test_the_leftover_check_sees_a_running_program(server):
+    """sandbox_processes() must see a sandboxed program, under whatever uid the server runs it."""
+    async def go():
+        async with EnvSession(server.url, timeout_s=30, restore="none") as session:
+            await session.reset()
+            running = asyncio.create_task(session.step({"code": "import time\ntime.sleep(1.5)", "tests": []}))
+            seen = []
+            while not running.done():
+                seen.append(bool(sandbox_processes()))
+                await asyncio.sleep(0.1)
+            await running
+            return seen
+
+    assert any(asyncio.run(go()))
+    assert_healthy(server)
 
 
 def test_correct_program_passes_its_tests(server):

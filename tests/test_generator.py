@@ -6,6 +6,8 @@ transformers' Qwen3 on the same files, an implementation independent of vLLM's.
 
 import asyncio
 import math
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from forge_rl import store
 from forge_rl.actor import stop
 from forge_rl.config import GeneratorConfig
-from forge_rl.generator import Generator
+from forge_rl.generator import Generator, WeightGate, write_weights_file
 from forge_rl.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -162,7 +164,8 @@ def test_a_groups_games_at_one_prompt_share_one_request_each_sample_used_once(g)
             assert all(any(m is c for c in request[2]) for m in mine) and len({id(m) for m in mine}) == len(mine)
         else:
             assert "n" not in request[1] and mine == request[2]
-    assert max(drawn[:7].count(a) for a in answers) >= 4
+    # seven games, two answers: some answer was drawn by several games, which shared one request for it
+    assert any(r[1].get("n", 1) > 1 for r in requests if r[0] != g.prompt)
     assert stray[1].prompt_ids == g.prompt + stray[0].token_ids + reply[:-1]
     assert len(requests) == 1 + len(set(drawn[:7])) + 1  # the stray asked alone
 
@@ -229,3 +232,60 @@ def test_weight_updates_change_logprobs_stamp_versions_and_restore_exactly(g):
     assert g.run(g.gen.current_version.call_one()) == 2
     for version in (1, 2):
         g.run(store.delete_version(version))
+
+
+# ---- WeightGate and write_weights_file alone, on CPU (no engine)
+
+
+def test_weight_gate_swap_waits_for_running_requests_and_holds_back_new_ones():
+    async def main():
+        gate, events = WeightGate(), []
+        async with gate.request():
+            swap = asyncio.create_task(_swap(gate, events))
+            await asyncio.sleep(0.01)
+            late = asyncio.create_task(_request(gate, events))
+            await asyncio.sleep(0.01)
+            assert events == [], "the swap must wait for the running request; the new one for the swap"
+        await asyncio.wait_for(asyncio.gather(swap, late), 5)
+        return events
+
+    assert asyncio.run(main()) == ["swap", "request"]  # writer preference: the waiting swap goes first
+
+
+def test_weight_gate_reopens_when_a_waiting_swap_is_cancelled():
+    async def main():
+        gate, events = WeightGate(), []
+        async with gate.request():
+            swap = asyncio.create_task(_swap(gate, events))
+            await asyncio.sleep(0.01)
+            swap.cancel()  # e.g. update_weights timed out while a long request ran
+            await asyncio.gather(swap, return_exceptions=True)
+        await asyncio.wait_for(_request(gate, events), 5)  # a shut gate would block here for good
+        await asyncio.wait_for(_swap(gate, events), 5)
+        return events
+
+    assert asyncio.run(main()) == ["request", "swap"]
+
+
+def test_write_weights_file_leaves_no_file_when_the_save_fails():
+    def ours():
+        return {p for folder in ("/dev/shm", tempfile.gettempdir()) for p in Path(folder).glob("forge_rl_weights_*")}
+
+    before = ours()
+    shared = torch.zeros(4)
+    with pytest.raises(RuntimeError):  # safetensors refuses tensors that share memory
+        write_weights_file({"a": shared, "b": shared})
+    assert ours() == before
+    path = write_weights_file({"a": shared})
+    assert path in ours()
+    path.unlink()
+
+
+async def _swap(gate, events):
+    async with gate.swap():
+        events.append("swap")
+
+
+async def _request(gate, events):
+    async with gate.request():
+        events.append("request")

@@ -13,7 +13,6 @@ import importlib.util
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import pytest
 import yaml
 
 from forge_rl.config import parse_cli
+from forge_rl.envs.client import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # The oldest Kubernetes release still widely run, and the newest schemas kubernetes-validate ships
@@ -181,12 +181,6 @@ def test_the_image_user_is_the_one_the_pods_run_as(objects):
     uid = int(re.search(r"useradd --uid (\d+)", dockerfile).group(1))
     for kind, name in [("Deployment", "blackjack"), ("Job", "blackjack-grpo")]:
         assert pod_spec(find(objects, kind, name))["securityContext"]["runAsUser"] == uid, f"{kind} {name}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("name", ["blackjack", "code-interpreter"])

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
+from forge_rl.config import GRPOConfig
 from forge_rl.loss import (
-    LossConfig,
     group_advantages,
     grpo_loss,
     kl_penalty,
@@ -17,6 +17,11 @@ from forge_rl.loss import (
 )
 
 LN2 = math.log(2)
+
+
+def grpo(**loss_keys) -> GRPOConfig:
+    """The loss's knobs, without the default entropy bonus unless a test sets one."""
+    return GRPOConfig(**{"entropy_coef": 0.0, **loss_keys})
 
 
 def close(actual, expected, atol=1e-5):
@@ -54,7 +59,7 @@ def test_clipped_ratio_token_mean_by_hand():
     # seq 1 (A=-2): min(-2r, -2clip(r)) = [-2, -3, -1.6]          -> per-token [2, 3, 1.6]
     # token_mean = (-3.88 + 6.6) / 7 = 0.3885714
     lp = make_logprobs()
-    loss, m = grpo_loss(lp, BEHAVIOUR, ADV, MASK, LossConfig())
+    loss, m = grpo_loss(lp, BEHAVIOUR, ADV, MASK, grpo())
     close(loss, 0.3885714)
     # clipped high: seq0 pos1 (1.5 > 1.28, A > 0); clipped low: seq1 pos2 (0.5 < 0.8, A < 0)
     close(m["clip_fraction_high"], 1 / 7)
@@ -71,7 +76,7 @@ def test_clipped_ratio_token_mean_by_hand():
 
 def test_seq_mean_by_hand():
     # seq 0 mean -3.88/4 = -0.97; seq 1 mean 6.6/3 = 2.2; mean of the two = 0.615
-    loss, _ = grpo_loss(make_logprobs(), BEHAVIOUR, ADV, MASK, LossConfig(loss_agg="seq_mean"))
+    loss, _ = grpo_loss(make_logprobs(), BEHAVIOUR, ADV, MASK, grpo(loss_agg="seq_mean"))
     close(loss, 0.615)
 
 
@@ -87,22 +92,19 @@ def test_aggregations_with_external_denominator():
 def test_symmetric_clip_bounds_change_result():
     # clip_high = 0.2: seq0 pos1 now clipped at 1.2 -> per-token -1.2 instead of -1.28
     # token_mean = (2.72 + 0.08) / 7 = 0.4
-    loss, _ = grpo_loss(make_logprobs(), BEHAVIOUR, ADV, MASK, LossConfig(clip_high=0.2))
+    loss, _ = grpo_loss(make_logprobs(), BEHAVIOUR, ADV, MASK, grpo(clip_high=0.2))
     close(loss, 0.4)
 
 
 def test_ratio_is_not_one_against_behaviour_logprobs():
     lp = make_logprobs()
-    _, m = grpo_loss(lp, BEHAVIOUR, ADV, MASK)
+    loss, m = grpo_loss(lp, BEHAVIOUR, ADV, MASK, grpo())
     assert m["ratio_max"] > 1.4 and m["ratio_min"] < 0.6
-    # The flawed variant (ratio against a detached copy of itself) is always exactly 1 and
-    # its gradient ignores clipping: -A/7 on every trained token.
-    lp2 = make_logprobs()
-    loss2, m2 = grpo_loss(lp2, lp2.detach(), ADV, MASK)
-    close(m2["ratio_min"], 1.0)
-    close(m2["ratio_max"], 1.0)
-    loss2.backward()
-    close(lp2.grad, [[-1 / 7] * 4, [2 / 7] * 3 + [0]])
+    # d loss / d logprob = -A r / 7 where the ratio is inside the band, 0 where clipping holds it:
+    # seq0 pos1 (r 1.5 > 1.28, A > 0) and seq1 pos2 (r 0.5 < 0.8, A < 0). A ratio taken against a
+    # detached copy of the current log-probs (always 1) would give -A / 7 on every trained token.
+    loss.backward()
+    close(lp.grad, [[-1 / 7, 0, -0.5 / 7, -1.1 / 7], [2 / 7, 3 / 7, 0, 0]])
 
 
 def test_kl_estimators_by_hand():
@@ -120,7 +122,7 @@ def test_kl_term_in_loss_by_hand():
     # ratio 1 and A = 0, so the loss is only kl_coef * mean k3 = 0.1 * (0.3068528+0.1931472)/2 = 0.025
     lp = torch.tensor([[-1.0, -3.0]], requires_grad=True)
     ref = torch.tensor([[-1.0 + LN2, -3.0 - LN2]])
-    cfg = LossConfig(kl_coef=0.1, kl_estimator="k3")
+    cfg = grpo(kl_coef=0.1, kl_estimator="k3")
     loss, m = grpo_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 2), cfg, ref_logprobs=ref)
     close(loss, 0.025)
     close(m["kl"], 0.25)
@@ -140,7 +142,7 @@ def test_entropy_and_token_logprobs_by_hand():
     close(token_logprobs(logits, torch.tensor([[2, 1]])), [[-1.3862944, -0.2876821]])  # ln .25, ln .75
     # bonus: loss = -0.01 * (1.3862944 + 0.5623351) / 2 = -0.0097431
     lp = token_logprobs(logits, torch.tensor([[2, 1]]))
-    loss, m = grpo_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 2), LossConfig(entropy_coef=0.01), logits=logits)
+    loss, m = grpo_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 2), grpo(entropy_coef=0.01), logits=logits)
     close(loss, -0.0097431)
     close(m["entropy"], 0.9743148)
 
@@ -152,17 +154,10 @@ def test_gradient_flows_only_through_masked_tokens():
     mask = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 1]])
     lp = token_logprobs(logits, targets)
     behaviour = torch.where(mask.bool(), lp.detach() - 0.1, torch.zeros_like(lp))
-    cfg = LossConfig(kl_coef=0.05, entropy_coef=0.01)
+    cfg = grpo(kl_coef=0.05, entropy_coef=0.01)
     ref = lp.detach() + 0.3
     loss, _ = grpo_loss(lp, behaviour, torch.tensor([1.0, -1.0]), mask, cfg, ref_logprobs=ref, logits=logits)
     loss.backward()
     per_position = logits.grad.abs().sum(-1)  # [B, T]
     assert torch.all(per_position[mask == 0] == 0)
     assert torch.all(per_position[mask == 1] > 0)
-
-
-def test_config_validation_names_the_fix():
-    with pytest.raises(ValueError, match="loss_agg"):
-        LossConfig(loss_agg="sum")
-    with pytest.raises(ValueError, match="kl_estimator"):
-        LossConfig(kl_estimator="k4")

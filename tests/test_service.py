@@ -5,10 +5,11 @@ import os
 import signal
 from collections import Counter
 
+import psutil
 import pytest
 from monarch.actor import ActorError
 
-from forge_rl.actor import stop
+from forge_rl.actor import call, start_all, stop
 from tests.service_actors import EchoActor
 
 
@@ -88,20 +89,87 @@ def test_killed_replica_is_detected_restarted_and_calls_succeed():
     run(main())
 
 
-def test_replica_that_exits_during_a_call_is_retried_elsewhere():
+def test_replica_that_exits_during_a_call_is_retried_elsewhere(tmp_path):
     async def main():
         service = await EchoActor.options(num_replicas=2, health_interval_s=60).as_service("exits")
         try:
-            # `die` kills whichever replica runs it; the retry kills the other one too, so the call fails,
-            # but with an error, and both replicas come back.
-            with pytest.raises(Exception):
-                await service.route("die")
+            # The first replica to run `die_if_first` exits; the retry on the other one answers.
+            pid = await service.route("die_if_first", str(tmp_path / "died"))
+            died = int((tmp_path / "died").read_text())
+            assert pid != died and pid in {(await service.route("whoami"))[1] for _ in range(4)}
             await service.wait_healthy(timeout=60)
-            assert (await service.route("whoami"))[0] == "exits"
+            assert sum(r.restarts for r in service.replicas) == 1
         finally:
             await service.stop()
 
     run(main())
+
+
+def test_health_loop_checks_replicas_at_once_and_outlives_any_error():
+    """Replica 0's probe hangs and replica 1's raises; replica 2 is killed: the health loop still
+    finds it within a few intervals, not after replica 0's call timeout, and no call is needed."""
+    async def main():
+        service = await EchoActor.options(num_replicas=3, health_interval_s=0.3, call_timeout_s=120).as_service("probe")
+        try:
+            hangs, raises, victim = service.replicas
+            await service._call(hangs, "set_ping", ("hang",), {}, 10)
+            await service._call(raises, "set_ping", ("raise",), {}, 10)
+            await asyncio.sleep(1.0)  # a few rounds of probes meet both
+            assert service._health_task is not None and not service._health_task.done()
+            _, pid, _ = await service._call(victim, "whoami", (), {}, 10)
+            os.kill(pid, signal.SIGKILL)
+            async with asyncio.timeout(20):
+                while victim.healthy:
+                    await asyncio.sleep(0.1)
+            assert raises.healthy, "an exception raised by a probe says nothing about the replica's processes"
+        finally:
+            await service.stop()
+
+    run(main())
+
+
+def test_a_failed_start_stops_what_did_start(tmp_path):
+    """One replica's setup fails: as_service raises it and the replica that started is stopped; the
+    same for start_all over an actor and a service."""
+    async def main():
+        with pytest.raises(ActorError, match="on purpose"):
+            await EchoActor.options(num_replicas=2).as_service("half", str(tmp_path / "svc"))
+        survivor = int((tmp_path / "svc").read_text())
+        (tmp_path / "taken").write_text("0")  # whoever is given this path fails its setup
+        with pytest.raises(ActorError, match="on purpose"):
+            await start_all(
+                EchoActor.options().as_actor("actor", str(tmp_path / "actor")),
+                EchoActor.options(num_replicas=1).as_service("service", str(tmp_path / "service")),
+                EchoActor.options().as_actor("fails", str(tmp_path / "taken")),
+            )
+        return survivor, int((tmp_path / "actor").read_text()), int((tmp_path / "service").read_text())
+
+    for pid in run(main()):
+        assert _gone(pid), f"process {pid} of a failed start is still running"
+
+
+def test_call_returns_rank_0s_value_and_a_hang_names_actor_and_endpoint():
+    async def main():
+        actor = await EchoActor.options(procs=2).as_actor("timed")
+        try:
+            tag, pid, _ = await call(actor, "whoami", timeout_s=30)
+            assert tag == "timed" and pid != os.getpid()
+            with pytest.raises(TimeoutError, match=r"EchoActor\.hang did not return within 0\.5 s"):
+                await call(actor, "hang", timeout_s=0.5)
+        finally:
+            await stop(actor)
+
+    run(main())
+
+
+def _gone(pid: int, timeout_s: float = 30) -> bool:
+    try:
+        psutil.Process(pid).wait(timeout_s)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        return False
+    return True
 
 
 def test_actor_exception_reraises_with_remote_traceback():

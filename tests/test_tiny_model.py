@@ -70,3 +70,20 @@ def test_vocabulary_covers_blackjack_words_each_as_one_token(model_dir):
     for punctuation in ".,:;!?()'\"-":
         assert tokenizer(punctuation, add_special_tokens=False)["input_ids"] != [tokenizer.unk_token_id]
     assert tokenizer("xyzzy", add_special_tokens=False)["input_ids"] == [tokenizer.unk_token_id]
+
+
+def test_constrained_answers_outside_the_vocabulary_are_refused(model_dir):
+    """An app's answer the tiny model does not know is one token, [UNK], and would pass a one-token
+    check: every answer would then be invalid, silently. It is refused with the answer named."""
+    import types
+
+    from forge_rl.config import ConfigError
+    from forge_rl.grpo import answer_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    game = types.ModuleType("apps.poker")
+    game.ACTIONS = ["HIT", "FOLD"]
+    with pytest.raises(ConfigError, match=r"answer 'FOLD' of apps\.poker\.ACTIONS is not in the model's vocabulary"):
+        answer_token_ids(game, tokenizer)
+    game.ACTIONS = ["HIT", "STAND"]
+    assert answer_token_ids(game, tokenizer) == tokenizer.convert_tokens_to_ids(["HIT", "STAND"])

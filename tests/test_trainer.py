@@ -2,7 +2,8 @@
 
 The actors are module-scoped (spawning costs seconds), so the tests run in file order and each
 one continues from the state the previous one left: before any update -> first steps ->
-repeated steps -> checkpoint -> weights out.
+repeated steps -> checkpoint -> weights out. The last tests run a Trainer and a ReferenceModel
+in this process (no Monarch) to check the batch layout and the train step alone.
 """
 
 import asyncio
@@ -20,8 +21,8 @@ from forge_rl.tiny_model import build_tiny_model
 from forge_rl.trainer import Trainer
 from forge_rl.types import Episode
 
-GRPO = GRPOConfig(kl_coef=0.05)
-OPTIM = OptimizerConfig(lr=1e-3)
+GRPO = GRPOConfig(kl_coef=0.05, entropy_coef=0.0, normalize_std=True)
+OPTIM = OptimizerConfig(lr=1e-3, schedule="constant")
 
 
 def make_batch(n_groups=3, group_size=3, seed=0) -> list[Episode]:
@@ -83,8 +84,8 @@ def assert_lists_close(a, b, atol):
         torch.testing.assert_close(x, y, atol=atol, rtol=0)
 
 
-def hf_logprobs(model_dir, token_ids, state_dict=None):
-    """Independent check: Hugging Face transformers' Qwen3 on the same ids."""
+def hf_logprobs(model_dir, token_ids, state_dict=None, temperature=1.0):
+    """Independent check: Hugging Face transformers' Qwen3 on the same ids (log softmax(logits / temperature))."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -93,7 +94,7 @@ def hf_logprobs(model_dir, token_ids, state_dict=None):
     out = []
     with torch.no_grad():
         for ids in token_ids:
-            logits = model(ids[None]).logits[0, :-1]
+            logits = model(ids[None]).logits[0, :-1] / temperature
             lp = torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0]
             out.append(torch.cat([torch.zeros(1), lp]))
     return out
@@ -198,3 +199,70 @@ def test_push_weights_puts_hf_weights_in_the_store(loop, actors, model_dir):
     assert counts == [len(original), 0] and set(pushed) == set(original)  # rank 0 holds and puts it
     assert not torch.equal(pushed["lm_head.weight"], original["lm_head.weight"])  # trained weights, not the file
     assert_lists_close(hf_logprobs(model_dir, ids, pushed), trainer_lp, atol=1e-5)
+
+
+# ---- In this process, no actors: the batch layout and one train step alone.
+
+
+def in_process(actor_cls, *args, **kwargs):
+    """An actor object with its setup() run here (a process group of one, no Monarch)."""
+    actor = actor_cls(*args, **kwargs)
+    asyncio.run(actor_cls.setup._method(actor))
+    return actor
+
+
+def test_advantages_are_computed_per_group():
+    """Group a's rewards are all above group b's: one baseline for the whole batch would make every
+    advantage of a positive and of b negative, where GRPO compares games of the same deal."""
+    batch = [e for e in make_batch(n_groups=2, group_size=2)]
+    for e, reward in zip(batch, [2.0, 3.0, -3.0, -2.0]):
+        e.reward = reward
+    batch = [batch[0], batch[2], batch[1], batch[3]]  # groups interleaved: rows are matched by group_id
+    t = Trainer("unused", GRPOConfig(normalize_std=True))._tensors(batch, None)
+    torch.testing.assert_close(t["advantages"], torch.tensor([-1.0, -1.0, 1.0, 1.0]), atol=1e-5, rtol=0)
+    t = Trainer("unused", GRPOConfig(normalize_std=False))._tensors(batch, None)
+    torch.testing.assert_close(t["advantages"], torch.tensor([-0.5, -0.5, 0.5, 0.5]), atol=1e-5, rtol=0)
+
+
+def test_batch_tensors_keep_each_token_at_its_position():
+    batch = make_batch(n_groups=1, group_size=3)
+    t = Trainer("unused", GRPOConfig())._tensors(batch, [e.behaviour_logprobs + 1 for e in batch])
+    for i, e in enumerate(batch):
+        n = len(e.tokens)
+        assert t["lengths"][i] == n and torch.equal(t["tokens"][i, :n], e.tokens) and not t["tokens"][i, n:].any()
+        assert torch.equal(t["mask"][i, :n], e.loss_mask) and not t["mask"][i, n:].any()
+        assert torch.equal(t["behaviour"][i, :n], e.behaviour_logprobs)
+        assert torch.equal(t["ref"][i, :n], e.behaviour_logprobs + 1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_on_policy_train_step_has_ratio_one_at_the_sampling_temperature(model_dir, temperature):
+    """Behaviour log-probs as the generator returns them (of logits / temperature, from an independent
+    model) at the trained positions: the first step's ratio is 1 on every token. A trainer that scores
+    at temperature 1, or reads its log-probs one position off the mask, does not get 1."""
+    batch = make_batch()
+    for e, lp in zip(batch, hf_logprobs(model_dir, [e.tokens for e in batch], temperature=temperature)):
+        e.behaviour_logprobs = lp * e.loss_mask
+    trainer = in_process(Trainer, model_dir, GRPOConfig(), OPTIM, micro_batch_size=2, temperature=temperature)
+    metrics = asyncio.run(Trainer.train_step._method(trainer, batch, None))
+    assert metrics["ratio_min"] == pytest.approx(1, abs=1e-4) and metrics["ratio_max"] == pytest.approx(1, abs=1e-4)
+    assert metrics["num_tokens"] == sum(int(e.loss_mask.sum()) for e in batch)
+
+    reference = in_process(ReferenceModel, model_dir, temperature=temperature)
+    ref_lp = asyncio.run(ReferenceModel.logprobs._method(reference, [e.tokens for e in batch]))
+    assert_lists_close([lp * e.loss_mask for lp, e in zip(ref_lp, batch)], [e.behaviour_logprobs for e in batch], 1e-4)
+
+
+def test_resume_with_more_steps_continues_the_new_schedule(model_dir, tmp_path):
+    """A cosine schedule decays to lr 0 at max_steps; resumed with a larger max_steps, the next step
+    trains at the new schedule's lr, not at the 0 the checkpoint holds."""
+    batch, cosine = make_batch(), OptimizerConfig(lr=1e-3, schedule="cosine")
+    first = in_process(Trainer, model_dir, GRPOConfig(), cosine, max_steps=2)
+    lrs = [asyncio.run(Trainer.train_step._method(first, batch, None))["lr"] for _ in range(2)]
+    asyncio.run(Trainer.save_checkpoint._method(first, str(tmp_path / "ckpt")))
+    assert lrs[0] == 1e-3 and first.optimizers.optimizers[0].param_groups[0]["lr"] == 0
+
+    longer = in_process(Trainer, model_dir, GRPOConfig(), cosine, max_steps=4)
+    asyncio.run(Trainer.load_checkpoint._method(longer, str(tmp_path / "ckpt")))
+    resumed = asyncio.run(Trainer.train_step._method(longer, batch, None))
+    assert resumed["step"] == 3 and resumed["lr"] == pytest.approx(0.5e-3), "cosine over 4 steps is at half at step 2"

@@ -6,7 +6,7 @@ README.md, "Adding an environment"). They take the observation as the dict the c
 
 The prompt shows the player's best total, whether it is soft and the dealer's up card: with
 those a policy can reach basic strategy (EV -0.043 under OpenSpiel's rules); without them the
-best it can do is always stand (EV -0.183). See shared/reference/blackjack.md.
+best it can do is always stand (EV -0.183). See docs/blackjack.md.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def reward(observation: Any, invalid: bool, invalid_penalty: float) -> float:
 
 
 # Reference policies, played on the same evaluation deals as the model so that its EV is read against
-# theirs without the luck of the deals (shared/reference/blackjack.md has their EVs over all deals).
+# theirs without the luck of the deals (docs/blackjack.md has their EVs over all deals).
 
 
 def _dealer_value(obs: Mapping[str, Any]) -> int:
@@ -98,6 +98,6 @@ REFERENCE_POLICIES = {
     "always_stand": lambda observation: "STAND",
 }
 
-# Their exact EVs over all deals (shared/reference/blackjack.md, exact enumeration). The first one is the
+# Their exact EVs over all deals (docs/blackjack.md, exact enumeration). The first one is the
 # control variate of the luck-corrected eval EV: model EV - its EV on the same deals + its exact EV.
 REFERENCE_EV = {"basic_strategy": -0.0428, "mimic_dealer": -0.080, "always_stand": -0.183}

@@ -317,6 +317,7 @@ class LocalServer:
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the environment servers', torch.distributed's, the tests')."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
