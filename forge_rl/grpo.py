@@ -483,16 +483,10 @@ async def resume(run: Run) -> None:
 
 
 def prepare_model(cfg: RunConfig) -> str:
-    """A local HF directory for both engines: the tiny model built from its seed, or a downloaded/local model."""
-    if cfg.model.path is None:
-        from forge_rl.tiny_model import build_tiny_model
+    """A local HF directory for both engines, whatever model.path names (forge_rl/models.py)."""
+    from forge_rl.models import resolve_model
 
-        return str(build_tiny_model(Path(cfg.run_dir) / "tiny_model", seed=cfg.model.tiny_seed))
-    if Path(cfg.model.path).is_dir():
-        return cfg.model.path
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(cfg.model.path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+    return resolve_model(cfg.model.path, cfg.model.dtype, Path(cfg.run_dir) / "tiny_model", cfg.model.tiny_seed)
 
 
 def load_app_module(name: str, constrained: bool):
