@@ -137,10 +137,14 @@ def prompt_ids(game, tokenizer, observation: dict, first_turn: bool, close_previ
     `close_previous`: the previous answer stopped without the end-of-turn token (constrained decoding
     samples the answer alone), so this turn starts by closing it.
     """
-    message = [{"role": "user", "content": game.render_prompt(observation)}]
-    text = tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
+    message = {"role": "user", "content": game.render_prompt(observation)}
+    text = tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
     if not first_turn:
-        text = "\n" + text  # the newline the chat template puts after the previous <|im_end|>
+        # The turn as the template renders it after an earlier one: without what it puts only at the start
+        # (SmolLM2's default system prompt), after the newline it puts after the previous <|im_end|>.
+        earlier = [{"role": "user", "content": "."}]
+        before = tokenizer.apply_chat_template(earlier, tokenize=False)
+        text = "\n" + tokenizer.apply_chat_template(earlier + [message], tokenize=False, add_generation_prompt=True)[len(before):]
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return [tokenizer.eos_token_id] + ids if close_previous else ids
 
