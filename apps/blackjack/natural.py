@@ -2,8 +2,11 @@
 
 game.py's terse prompt ("Dealer 10. You 17 soft. HIT or STAND?") suits a tiny model that learns every
 token from scratch; a pretrained model (SmolLM2, Qwen3) reads a sentence better, and answers in free
-text (`sampling.constrained: false`): "Hit." or "I would stand." are taken, and so is any answer that
-names exactly one of the two actions. Rewards, reference policies and their EVs are game.py's.
+text (`sampling.constrained: false`): the action is the first of "hit" and "stand" that the answer names
+("Hit.", "I would stand.", "You should hit, since..."); an answer naming neither is invalid. A small chat
+model seldom answers with the bare word (SmolLM2-135M: a few answers in a hundred), so a strict parse
+would leave every group's games all invalid alike, with nothing for GRPO to compare. Rewards, reference
+policies and their EVs are game.py's.
 """
 
 from __future__ import annotations
@@ -28,6 +31,6 @@ def render_prompt(observation: Any) -> str:
 
 
 def parse_action(text: str) -> dict[str, str] | None:
-    """The one action a free-text answer names ('Hit.', 'I would stand'); None if it names both or neither."""
-    named = {word.upper() for word in re.findall(r"[a-z]+", text.lower())} & set(ACTIONS)
-    return {"action": named.pop()} if len(named) == 1 else None
+    """The first action a free-text answer names ('Hit.', 'I would stand'); None if it names neither."""
+    named = [word.upper() for word in re.findall(r"[a-z]+", text.lower()) if word.upper() in ACTIONS]
+    return {"action": named[0]} if named else None
