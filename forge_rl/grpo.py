@@ -147,10 +147,14 @@ def prompt_ids(game, tokenizer, observation: dict, first_turn: bool, close_previ
     `close_previous`: the previous answer stopped without the end-of-turn token (constrained decoding
     samples the answer alone), so this turn starts by closing it.
     """
-    message = [{"role": "user", "content": game.render_prompt(observation)}]
-    text = tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
+    message = {"role": "user", "content": game.render_prompt(observation)}
+    text = tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
     if not first_turn:
-        text = "\n" + text  # the newline the chat template puts after the previous <|im_end|>
+        # The turn as the template renders it after an earlier one: without what it puts only at the start
+        # (SmolLM2's default system prompt), after the newline it puts after the previous <|im_end|>.
+        earlier = [{"role": "user", "content": "."}]
+        before = tokenizer.apply_chat_template(earlier, tokenize=False)
+        text = "\n" + tokenizer.apply_chat_template(earlier + [message], tokenize=False, add_generation_prompt=True)[len(before):]
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return [tokenizer.eos_token_id] + ids if close_previous else ids
 
@@ -531,16 +535,10 @@ async def resume(run: Run) -> None:
 
 
 def prepare_model(cfg: RunConfig) -> str:
-    """A local HF directory for both engines: the tiny model built from its seed, or a downloaded/local model."""
-    if cfg.model.path is None:
-        from forge_rl.tiny_model import build_tiny_model
+    """A local HF directory for both engines, whatever model.path names (forge_rl/models.py)."""
+    from forge_rl.models import resolve_model
 
-        return str(build_tiny_model(Path(cfg.run_dir) / "tiny_model", seed=cfg.model.tiny_seed))
-    if Path(cfg.model.path).is_dir():
-        return cfg.model.path
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(cfg.model.path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+    return resolve_model(cfg.model.path, cfg.model.dtype, Path(cfg.run_dir) / "tiny_model", cfg.model.tiny_seed)
 
 
 def load_app_module(name: str, constrained: bool):

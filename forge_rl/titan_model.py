@@ -19,6 +19,10 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torchtitan.models.llama3 import Transformer as Llama3Model
+from torchtitan.models.llama3 import TransformerModelArgs as Llama3ModelArgs
+from torchtitan.models.llama3.model.args import RoPEScalingArgs
+from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
@@ -40,7 +44,7 @@ def qwen3_args(hf: dict) -> Qwen3ModelArgs:
         head_dim=hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]),
         hidden_dim=hf["intermediate_size"],
         norm_eps=hf["rms_norm_eps"],
-        rope_theta=hf["rope_theta"],
+        rope_theta=rope_theta(hf),
         qk_norm=True,
         max_seq_len=hf["max_position_embeddings"],
         enable_weight_tying=hf.get("tie_word_embeddings", False),
@@ -48,9 +52,60 @@ def qwen3_args(hf: dict) -> Qwen3ModelArgs:
     )
 
 
+def llama_args(hf: dict) -> Llama3ModelArgs:
+    """HF Llama config.json -> TorchTitan's Llama 3 args (SmolLM2, Llama 3.x).
+
+    TorchTitan's Llama always applies Llama 3.1's rope scaling; factor 1 turns it into plain rope
+    for models without it. Its feed-forward width is derived (multiple_of, ffn_dim_multiplier):
+    multiple_of = intermediate_size with a multiplier a hair under the ratio makes it exactly
+    intermediate_size. It has no weight tying: forge_rl/models.py unties GGUF models on conversion.
+    """
+    if hf.get("tie_word_embeddings", False):
+        raise NotImplementedError(
+            "TorchTitan's Llama cannot tie embeddings: give the model an lm_head.weight and tie_word_embeddings false "
+            "(forge_rl/models.py does that for GGUF models)"
+        )
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    if head_dim * hf["num_attention_heads"] != hf["hidden_size"]:
+        raise NotImplementedError(f"head_dim {head_dim} x {hf['num_attention_heads']} heads != hidden_size: not TorchTitan's Llama")
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if scaling.get("rope_type", "default") == "llama3":
+        rope_scaling = RoPEScalingArgs(
+            scaling_factor=scaling["factor"],
+            low_freq_factor=scaling["low_freq_factor"],
+            high_freq_factor=scaling["high_freq_factor"],
+            original_max_position_embeddings=scaling["original_max_position_embeddings"],
+        )
+    elif scaling.get("rope_type", "default") == "default":
+        rope_scaling = RoPEScalingArgs(scaling_factor=1.0)
+    else:
+        raise NotImplementedError(f"rope {scaling} is not mapped to TorchTitan's Llama")
+    base = int(2 * 4 * hf["hidden_size"] / 3)  # TorchTitan's FeedForward width before the multiplier
+    return Llama3ModelArgs(
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf["num_key_value_heads"],
+        vocab_size=hf["vocab_size"],
+        multiple_of=hf["intermediate_size"],
+        ffn_dim_multiplier=(hf["intermediate_size"] - 0.5) / base,
+        norm_eps=hf["rms_norm_eps"],
+        rope_theta=rope_theta(hf),
+        rope_scaling_args=rope_scaling,
+        max_seq_len=hf["max_position_embeddings"],
+        attn_type="sdpa",
+    )
+
+
+def rope_theta(hf: dict) -> float:
+    """transformers 5 writes rope_theta inside rope_parameters; older configs at the top level."""
+    return hf["rope_theta"] if "rope_theta" in hf else hf["rope_parameters"]["rope_theta"]
+
+
 # HF `model_type` -> (config.json -> model args, TorchTitan model class, HF <-> TorchTitan adapter).
 MODEL_FAMILIES = {
     "qwen3": (qwen3_args, Qwen3Model, Qwen3StateDictAdapter),
+    "llama": (llama_args, Llama3Model, Llama3StateDictAdapter),
 }
 
 

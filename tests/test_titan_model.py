@@ -44,6 +44,6 @@ def test_tied_embeddings_survive_fsdp_and_round_trip(tmp_path):
 def test_unknown_model_family_names_the_fix(tmp_path):
     path = build_tiny_model(tmp_path / "m")
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="MODEL_FAMILIES"):
         build_model(path, torch.device("cpu"))
