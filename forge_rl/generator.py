@@ -219,6 +219,8 @@ class Generator(ForgeActor):
             if handle["host"] != socket.gethostname():
                 raise RuntimeError(f"weights v{version} are in shared memory on {handle['host']}, not on this host "
                                    f"({socket.gethostname()}): set generator.weight_sync to broadcast or store")
+            # refuse a stale buffer here, before the gate, while the engine's weights are still intact
+            weight_sync.check_buffer(weight_sync.map_buffer(handle["path"]), weight_sync.WeightsHandle(**handle))
             return "load_shared_weights", (handle,), None
         await self.engine.collective_rpc("receive_weights", args=(handle,))
         return "load_staged_weights", (handle,), None
