@@ -70,6 +70,9 @@ class WeightSyncExtension:
     def receive_weights(self, handle: dict) -> int:
         """Every worker, blocking the engine: take the trainer's broadcast of one version into staging."""
         handle = WeightsHandle(**handle)
+        if getattr(self, "weights_group", None) is None:
+            raise RuntimeError("this vLLM worker never joined the weights broadcast group (a restarted replica?); "
+                               "set generator.weight_sync to shm or store, or rebuild the group")
         self.weights_staging = weight_sync.broadcast_receive(self.weights_group, handle, self.weights_staging)
         self.weights_staged_version = handle.version
         return handle.nbytes

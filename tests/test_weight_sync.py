@@ -116,3 +116,44 @@ def test_auto_picks_shared_memory_on_one_host_broadcast_across_hosts_and_the_fal
     assert weight_sync.choose("store", same_host=True, nbytes=10**6) == "store"
     with pytest.raises(ValueError, match="generator.weight_sync"):
         weight_sync.choose("nccl", same_host=True, nbytes=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: GPU tensors written into the host buffer")
+def test_cuda_state_dicts_are_written_straight_into_the_buffer(buffers):
+    handle = buffers.write({k: v.cuda() for k, v in make_state_dict(1).items()}, 1)
+    assert_bit_exact(read(handle), make_state_dict(1))
+
+
+def _broadcast_member(rank: int, port: int, bind: str, results) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    group = weight_sync.join_group("127.0.0.2", port, rank, 2, bind, timeout_s=60)
+    state_dict = make_state_dict(1)
+    layout, nbytes = weight_sync.make_layout(state_dict)
+    if rank == 0:
+        weight_sync.broadcast_send(group, state_dict)
+    else:
+        staging = weight_sync.broadcast_receive(group, WeightsHandle("broadcast", 1, layout=layout, nbytes=nbytes), None)
+        results.put(as_bytes(dict(weight_sync.tensor_views(staging, layout))))
+
+
+def as_bytes(state_dict: dict) -> dict[str, bytes]:
+    """Raw bytes per tensor: what crosses a process boundary intact, and compares bit for bit."""
+    return {k: v.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for k, v in state_dict.items()}
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
+def test_a_broadcast_between_two_addresses_arrives_bit_exact():
+    """Gloo on CPU (members bound to 127.0.0.2 and 127.0.0.3), NCCL when CUDA is present."""
+    from forge_rl.provisioner import free_port
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    members = [ctx.Process(target=_broadcast_member, args=(r, port, f"127.0.0.{2 + r}", results)) for r in (0, 1)]
+    for m in members:
+        m.start()
+    received = results.get(timeout=300)  # two processes importing torch on a busy machine
+    for m in members:
+        m.join(timeout=60)
+    assert [m.exitcode for m in members] == [0, 0]
+    assert received == as_bytes(make_state_dict(1))
