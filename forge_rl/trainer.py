@@ -1,11 +1,11 @@
 """Trainer: GRPO updates of the policy on TorchTitan, one Monarch actor mesh (FSDP2 over its ranks).
 
-    replay buffer --batch of whole groups--> train_step --weights--> push_weights --> TorchStore --> generators
+    replay buffer --batch of whole groups--> train_step --weights--> push_weights --> weight_sync --> generators
 
 What it consumes: a flat list of Episodes holding whole groups (what ReplayBuffer.sample returns),
 optionally with reference log-probs from ReferenceModel for the KL term. What it produces: one
-optimizer step per call and a metrics dict; HF-named weights in TorchStore under a version on
-push_weights. It never waits for data: the training loop calls it when a batch exists.
+optimizer step per call and a metrics dict; on push_weights, HF-named weights sent by the configured
+transport (shared memory, broadcast or TorchStore) with the version's handle in TorchStore. It never waits for data: the training loop calls it when a batch exists.
 
 Deliberately not here: sequence packing (sdpa has no block-causal mask; episodes are right-padded
 per micro-batch instead), tensor/pipeline parallelism, activation checkpointing, torch.compile.
