@@ -119,6 +119,7 @@ class SharedBuffers:
         """Two files of header + `nbytes`, their memory reserved now (a full /dev/shm fails here with
         ENOSPC, not later with SIGBUS on a write)."""
         self.close()
+        remove_orphaned_buffers()  # those of an earlier trainer killed before anyone swept them
         tag = f"{BUFFER_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
         for slot in range(2):
             path = os.path.join(SHM_DIR, f"{tag}_{slot}")
