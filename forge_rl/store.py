@@ -79,6 +79,17 @@ async def get_state_dict(version: int, prefix: str = "policy") -> dict[str, torc
         raise KeyError(f"no weights stored under {key!r} (present: {await list_versions(prefix)})") from e
 
 
+async def put_handle(handle: dict, version: int, prefix: str = "policy") -> None:
+    """Store a version's WeightsHandle (forge_rl/weight_sync.py, as a dict) under `{prefix}/v{version}/handle`."""
+    await torchstore.put(version_key(version, prefix) + "/handle", handle)
+
+
+async def get_handle(version: int, prefix: str = "policy") -> dict | None:
+    """The WeightsHandle dict of `version`, or None when only a state dict was put (or nothing)."""
+    key = version_key(version, prefix) + "/handle"
+    return await torchstore.get(key) if await torchstore.exists(key) else None
+
+
 async def list_versions(prefix: str = "policy") -> list[int]:
     """Versions present under `prefix`, ascending."""
     pattern = re.compile(rf"^{re.escape(prefix)}/v(\d+)/")

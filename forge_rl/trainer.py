@@ -1,17 +1,19 @@
 """Trainer: GRPO updates of the policy on TorchTitan, one Monarch actor mesh (FSDP2 over its ranks).
 
-    replay buffer --batch of whole groups--> train_step --weights--> push_weights --> TorchStore --> generators
+    replay buffer --batch of whole groups--> train_step --weights--> push_weights --> weight_sync --> generators
 
 What it consumes: a flat list of Episodes holding whole groups (what ReplayBuffer.sample returns),
 optionally with reference log-probs from ReferenceModel for the KL term. What it produces: one
-optimizer step per call and a metrics dict; HF-named weights in TorchStore under a version on
-push_weights. It never waits for data: the training loop calls it when a batch exists.
+optimizer step per call and a metrics dict; on push_weights, HF-named weights sent by the configured
+transport (shared memory, broadcast or TorchStore) with the version's handle in TorchStore. It never waits for data: the training loop calls it when a batch exists.
 
 Deliberately not here: sequence packing (sdpa has no block-causal mask; episodes are right-padded
 per micro-batch instead), tensor/pipeline parallelism, activation checkpointing, torch.compile.
 """
 
+import asyncio
 import math
+import socket
 from collections import defaultdict
 
 import torch
@@ -40,6 +42,7 @@ from forge_rl.titan_model import (
     sequence_logprobs,
 )
 from forge_rl.types import Episode
+from forge_rl.weight_sync import SharedBuffers, WeightsHandle, broadcast_send, join_group, make_layout
 
 # Metrics that are token-weighted means inside grpo_loss; summed * num_tokens across pieces.
 _MEAN_METRICS = ("kl", "entropy", "ratio_mean", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "advantage_mean")
@@ -65,10 +68,14 @@ class Trainer(ForgeActor):
         micro_batch_size: int = 8,  # sequences per forward/backward on one rank
         allowed_token_ids: list[int] | None = None,  # the generator's sampling restriction, if any
         temperature: float = 1.0,  # the generator's sampling temperature (titan_model.sampling_logits)
+        weight_sync: str = "store",  # how push_weights sends the bytes: shm | broadcast | store (weight_sync.py)
     ):
         self.model_path, self.grpo, self.optim_config = model_path, grpo, optimizer
         self.max_steps, self.dtype, self.micro_batch_size = max_steps, dtype, micro_batch_size
         self.allowed_token_ids, self.temperature = allowed_token_ids, temperature
+        if weight_sync not in ("shm", "broadcast", "store"):
+            raise ValueError(f"Trainer: weight_sync must be shm, broadcast or store, got {weight_sync!r}")
+        self.weight_sync = weight_sync
 
     @endpoint
     async def setup(self) -> None:
@@ -95,6 +102,8 @@ class Trainer(ForgeActor):
         )
         self.lr_schedulers = build_lr_schedulers(self.optimizers, schedule, 10**9 if constant else self.max_steps)
         self.step, self.policy_version = 0, 0
+        self.shared_buffers = SharedBuffers()  # allocated on the first shm push
+        self.weights_group, self.sending = None, None
 
     @endpoint
     async def train_step(self, batch: list[Episode], ref_logprobs: list[torch.Tensor] | None = None) -> dict[str, float]:
@@ -154,15 +163,39 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def push_weights(self, version: int) -> int:
-        """All ranks gather the full state dict (collective); rank 0 puts it, HF-named, in TorchStore
-        under `version`. Returns once it is stored: the number of tensors on rank 0, 0 elsewhere."""
+        """All ranks gather the full HF-named state dict (collective); rank 0 sends the bytes by the
+        weight_sync transport and puts the version's handle in TorchStore (forge_rl/weight_sync.py).
+        Returns once generators can fetch it (a broadcast is then under way and completes as they take
+        it; the next push waits for it): the number of tensors on rank 0, 0 elsewhere."""
         state = hf_state_dict(self.model, self.adapter, self.dtype)
         if self.rank == 0:
-            await store.put_state_dict(state, version)
+            handle = await self._send_weights(state, version)
+            await store.put_handle(handle.as_dict(), version)
         if dist.is_initialized():
             dist.barrier()
         self.policy_version = version
         return len(state)
+
+    async def _send_weights(self, state: dict[str, torch.Tensor], version: int) -> WeightsHandle:
+        if self.weight_sync == "shm":
+            return await asyncio.to_thread(self.shared_buffers.write, state, version)
+        if self.weight_sync == "store":
+            await store.put_state_dict(state, version)
+            return WeightsHandle("store", version)
+        if self.weights_group is None:
+            raise RuntimeError("Trainer: weight_sync is broadcast but join_weights_group was never called")
+        if self.sending is not None:
+            await self.sending  # one broadcast at a time, in version order
+        layout, nbytes = make_layout(state)
+        self.sending = asyncio.ensure_future(asyncio.to_thread(broadcast_send, self.weights_group, state))
+        return WeightsHandle("broadcast", version, socket.gethostname(), layout=layout, nbytes=nbytes)
+
+    @endpoint
+    async def join_weights_group(self, rendezvous: str, port: int, world: int, bind: str) -> None:
+        """All ranks, with every generator's join at the same time: rank 0 joins the broadcast group as
+        its rank 0 and hosts its rendezvous on `rendezvous:port`; other ranks do nothing."""
+        if self.rank == 0:
+            self.weights_group = await asyncio.to_thread(join_group, rendezvous, port, 0, world, bind)
 
     @endpoint
     async def logprobs(self, token_ids: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -194,6 +227,11 @@ class Trainer(ForgeActor):
         self._apply_schedule()
         self.step, self.policy_version = int(state["progress"]["step"]), int(state["progress"]["policy_version"])
         return {"step": self.step, "policy_version": self.policy_version}
+
+    async def __cleanup__(self, exc: Exception | None) -> None:
+        """Unlink the shared-memory buffers (after a kill -9, Generator cleanup removes them instead)."""
+        if hasattr(self, "shared_buffers"):
+            self.shared_buffers.close()
 
     # ------------------------------------------------------------------------ helpers
 

@@ -1,0 +1,159 @@
+"""Weight sync buffers and choices without engines: bit-exact round trips, refused torn or stale reads,
+orphaned buffers of a killed writer removed. (The engines' side: tests/test_weight_sync_engines.py.)"""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from forge_rl import weight_sync
+from forge_rl.weight_sync import SharedBuffers, StaleWeightsError, WeightsHandle
+
+
+def make_state_dict(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(64, 32, generator=g),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(48, 32, generator=g).to(torch.bfloat16),
+        "model.norm.weight": torch.rand(33, generator=g),  # odd byte length: the next tensor is realigned
+        "lm_head.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+    }
+
+
+def read(handle: WeightsHandle) -> dict[str, torch.Tensor]:
+    """What a reader does: views, copies, and the check after."""
+    out = {name: view.clone() for name, view in weight_sync.shared_views(handle)}
+    weight_sync.check_buffer(weight_sync.map_buffer(handle.path), handle)
+    return out
+
+
+def assert_bit_exact(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+
+
+@pytest.fixture
+def buffers():
+    b = SharedBuffers()
+    yield b
+    b.close()
+    assert not any(os.path.exists(p) for p in b.paths)
+
+
+def test_versions_alternate_between_two_buffers_and_read_back_bit_exact(buffers):
+    handles = [buffers.write(make_state_dict(v), v) for v in (1, 2, 3)]
+    assert [h.path for h in handles] == [buffers.paths[1], buffers.paths[0], buffers.paths[1]]
+    assert_bit_exact(read(handles[1]), make_state_dict(2))
+    assert_bit_exact(read(handles[2]), make_state_dict(3))
+    assert all(offset % weight_sync.ALIGN == 0 for *_, offset in handles[2].layout)
+
+
+def test_a_half_written_buffer_is_refused(buffers):
+    """The writer dies after part of the payload (its third tensor raises): the header was invalidated first,
+    so neither the version that was there before nor any guess at the new one reads."""
+    old = buffers.write(make_state_dict(1), 1)
+    assert_bit_exact(read(old), make_state_dict(1))
+    buffers.write(make_state_dict(2), 2)  # the other buffer; version 3 goes where version 1 was
+
+    class DiesMidWrite(dict):
+        def values(self):
+            for i, v in enumerate(super().values()):
+                if i == 2:
+                    raise KeyboardInterrupt("writer killed")
+                yield v
+
+    with pytest.raises(KeyboardInterrupt):
+        buffers.write(DiesMidWrite(make_state_dict(3)), 3)
+    with pytest.raises(StaleWeightsError, match="being written"):
+        read(old)
+    guess = WeightsHandle(**{**old.as_dict(), "version": 3})
+    with pytest.raises(StaleWeightsError, match="being written"):
+        read(guess)
+
+
+def test_a_read_overtaken_by_the_writer_is_refused_after_the_copy(buffers):
+    handle = buffers.write(make_state_dict(1), 1)
+    views = weight_sync.shared_views(handle)
+    first = next(views)[1].clone()  # the reader has started copying ...
+    buffers.write(make_state_dict(2), 2)
+    buffers.write(make_state_dict(3), 3)  # ... when the writer comes round to its buffer again
+    rest = [v.clone() for _, v in views]
+    assert len(rest) == 3 and first.numel()
+    with pytest.raises(StaleWeightsError, match="holding version 3, not version 1"):
+        weight_sync.check_buffer(weight_sync.map_buffer(handle.path), handle)
+
+
+def test_buffers_of_a_writer_killed_with_minus_9_are_removed_and_a_live_writers_are_not(buffers):
+    mine = buffers.write(make_state_dict(1), 1)
+    code = (
+        "import os, sys, torch\n"
+        "from forge_rl.weight_sync import SharedBuffers\n"
+        "b = SharedBuffers(); b.write({'w': torch.ones(1000)}, 1)\n"
+        "print(' '.join(b.paths), flush=True); sys.stdin.read()\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    writer = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    theirs = writer.stdout.readline().decode().split()
+    assert len(theirs) == 2 and all(os.path.exists(p) for p in theirs)
+    assert weight_sync.remove_orphaned_buffers() == []  # its writer is alive
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    removed = weight_sync.remove_orphaned_buffers()
+    assert sorted(removed) == sorted(os.path.basename(p) for p in theirs)
+    assert not any(os.path.exists(p) for p in theirs)
+    assert_bit_exact(read(mine), make_state_dict(1))  # this process's buffers are untouched
+
+
+def test_auto_picks_shared_memory_on_one_host_broadcast_across_hosts_and_the_fallback_when_it_must():
+    assert weight_sync.choose("auto", same_host=True, nbytes=10**6) == "shm"
+    assert weight_sync.choose("auto", same_host=False, nbytes=10**6) == "broadcast"
+    assert weight_sync.choose("auto", same_host=True, nbytes=10**15) == "store"  # /dev/shm cannot hold it
+    assert weight_sync.choose("store", same_host=True, nbytes=10**6) == "store"
+    with pytest.raises(ValueError, match="generator.weight_sync"):
+        weight_sync.choose("nccl", same_host=True, nbytes=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: GPU tensors written into the host buffer")
+def test_cuda_state_dicts_are_written_straight_into_the_buffer(buffers):
+    handle = buffers.write({k: v.cuda() for k, v in make_state_dict(1).items()}, 1)
+    assert_bit_exact(read(handle), make_state_dict(1))
+
+
+def _broadcast_member(rank: int, port: int, bind: str, results) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    group = weight_sync.join_group("127.0.0.2", port, rank, 2, bind, timeout_s=60)
+    state_dict = make_state_dict(1)
+    layout, nbytes = weight_sync.make_layout(state_dict)
+    if rank == 0:
+        weight_sync.broadcast_send(group, state_dict)
+    else:
+        staging = weight_sync.broadcast_receive(group, WeightsHandle("broadcast", 1, layout=layout, nbytes=nbytes), None)
+        results.put(as_bytes(dict(weight_sync.tensor_views(staging, layout))))
+
+
+def as_bytes(state_dict: dict) -> dict[str, bytes]:
+    """Raw bytes per tensor: what crosses a process boundary intact, and compares bit for bit."""
+    return {k: v.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for k, v in state_dict.items()}
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
+def test_a_broadcast_between_two_addresses_arrives_bit_exact():
+    """Gloo on CPU (members bound to 127.0.0.2 and 127.0.0.3), NCCL when CUDA is present."""
+    from forge_rl.provisioner import free_port
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    members = [ctx.Process(target=_broadcast_member, args=(r, port, f"127.0.0.{2 + r}", results)) for r in (0, 1)]
+    for m in members:
+        m.start()
+    received = results.get(timeout=300)  # two processes importing torch on a busy machine
+    for m in members:
+        m.join(timeout=60)
+    assert [m.exitcode for m in members] == [0, 0]
+    assert received == as_bytes(make_state_dict(1))
