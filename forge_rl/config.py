@@ -67,6 +67,42 @@ class SamplingConfig:
             raise ConfigError(f"{key}.temperature: expected >= 0, got {self.temperature}")
 
 
+def check_trainer_can_mirror(sampling: SamplingConfig, key: str, why: str) -> None:
+    """Refuse sampling whose log-probs the trainer does not reproduce: it scores the full distribution
+    at temperature 1 (renormalised over the answer tokens when constrained), so under a temperature or
+    top_p other than 1 behaviour and trained log-probs are of different distributions."""
+    for name in ("temperature", "top_p"):
+        if getattr(sampling, name) != 1.0:
+            raise ConfigError(
+                f"{key}.{name}={getattr(sampling, name)}: {why} needs sampling the trainer scores "
+                f"(temperature 1, top_p 1); set {key}.{name}=1.0"
+            )
+
+
+@dataclass
+class ISCorrectionConfig:
+    """Importance-sampling correction of the loss (forge_rl.loss.is_weights; docs/off_policy.md)."""
+
+    level: Literal["off", "token", "seq", "geo"] = "off"
+    mode: Literal["mask", "clip", "trunc"] = "mask"
+    threshold: list = field(default_factory=lambda: [0.5, 2.0])  # [low, high] band of the ratio's gate
+
+    def check(self, key):
+        t = self.threshold
+        if not (
+            isinstance(t, list) and len(t) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in t)
+        ):
+            raise ConfigError(f"{key}.threshold: expected [low, high], two numbers, got {t!r}")
+        self.threshold = [float(x) for x in t]
+        if not 0 <= t[0] <= 1 <= t[1] or t[0] == t[1]:
+            raise ConfigError(f"{key}.threshold: expected 0 <= low <= 1 <= high and low < high, got {t}")
+        if self.level in ("seq", "geo") and self.mode != "mask":
+            raise ConfigError(
+                f"{key}: level {self.level} with mode {self.mode} makes no sense (a sequence's ratio is no "
+                "token's importance weight); use mode mask, or level token"
+            )
+
+
 @dataclass
 class GRPOConfig:
     group_size: int = 8  # games per group, dealt from the same seed
@@ -80,12 +116,16 @@ class GRPOConfig:
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     entropy_coef: float = 0.0
     filter_zero_spread: bool = True  # DAPO dynamic sampling: skip groups whose rewards are all equal
+    max_token_age: Optional[int] = None  # drop from the loss tokens sampled more than this many versions ago
+    is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
 
     def check(self, key):
         if self.group_size < 2:
             raise ConfigError(f"{key}.group_size: expected >= 2 (advantages compare a group), got {self.group_size}")
         _positive(self, key, "batch_size")
         _non_negative(self, key, "max_policy_age", "clip_low", "clip_high", "kl_coef", "entropy_coef")
+        if self.max_token_age is not None:
+            _non_negative(self, key, "max_token_age")
 
 
 @dataclass
@@ -120,6 +160,7 @@ class GeneratorConfig:
     procs: int = 1  # tensor-parallel ranks per replica
     max_model_len: int = 1024
     gpu_memory_utilization: float = 0.05  # on CPU: share of host memory for the KV cache
+    partial_rollouts: bool = False  # True: a weight update pauses running requests, false: waits for them
 
     def check(self, key):
         _positive(self, key, "num_replicas", "procs", "max_model_len")
@@ -182,6 +223,10 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def check(self, key):
+        if self.grpo.is_correction.level != "off":
+            check_trainer_can_mirror(self.sampling, "sampling", "grpo.is_correction")
 
 
 def _positive(section, key, *names):

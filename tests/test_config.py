@@ -49,6 +49,12 @@ def write(tmp_path, text):
         (["grpo=3"], r"grpo: expected a section"),
         (["env.url=http://x:1"], r"env: set exactly one of env\.url or env\.server"),
         (["seed=${nope}"], r"seed: .*nope"),
+        (["grpo.is_correction.level=geo", "grpo.is_correction.mode=clip"], r"grpo\.is_correction: level geo with mode clip"),
+        (["grpo.is_correction.level=seq", "grpo.is_correction.mode=trunc"], r"grpo\.is_correction: level seq with mode trunc"),
+        (["grpo.is_correction.level=token", "sampling.temperature=0.7"], r"sampling\.temperature=0\.7: grpo\.is_correction"),
+        (["grpo.is_correction.level=geo", "sampling.top_p=0.9"], r"sampling\.top_p=0\.9: grpo\.is_correction"),
+        (["grpo.is_correction.threshold=[1.2,2]"], r"grpo\.is_correction\.threshold: expected 0 <= low <= 1 <= high"),
+        (["grpo.is_correction.level=half"], r"grpo\.is_correction\.level: expected one of 'off'"),
     ],
 )
 def test_bad_values_name_the_key_and_the_file(overrides, message):
@@ -56,6 +62,14 @@ def test_bad_values_name_the_key_and_the_file(overrides, message):
         load_config(TINY, overrides)
     assert str(TINY) in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_is_correction_and_partial_rollouts_load():
+    cfg = load_config(TINY, ["generator.partial_rollouts=true", "grpo.is_correction.level=geo", "grpo.max_token_age=1"])
+    assert cfg.generator.partial_rollouts and cfg.grpo.max_token_age == 1
+    assert (cfg.grpo.is_correction.level, cfg.grpo.is_correction.mode) == ("geo", "mask")
+    # off (the default) does not care about the sampling temperature
+    assert load_config(TINY, ["sampling.temperature=0.7"]).grpo.is_correction.level == "off"
 
 
 def test_missing_required_key(tmp_path):
