@@ -373,6 +373,9 @@ async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
             "train/clip_fraction": metrics.get("clip_fraction", 0.0),
             "train/grad_norm": metrics["grad_norm"],
             "train/ratio_max": metrics["ratio_max"],
+            "train/behaviour_kl": metrics["behaviour_kl"],
+            "train/is_masked_fraction": metrics.get("is_masked_fraction", 0.0),
+            "train/mixed_version_episodes": metrics["mixed_version_episodes"],
             "train/policy_age": run.version - 1 - metrics["policy_version_min"],
             "train/episodes_per_s": (run.episodes_played - episodes_at_start) / (time.time() - start),
             "train/lr": metrics["lr"],
@@ -381,6 +384,7 @@ async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
             "time/push_weights_s": metrics["push_s"],
             "time/update_weights_s": metrics["load_s"],
         }
+        values.update({f"train/{k}": v for k, v in metrics.items() if "/age_" in k})  # ratio extremes by token age
         values.update({f"buffer/{k}": v for k, v in (await run.buffer.stats.call_one()).items()})
         values.update({"rollout/errors": run.rollout_errors, "rollout/aborted_games": run.aborted_games})
         if cfg.eval.interval and (run.step % cfg.eval.interval == 0 or run.step == cfg.trainer.max_steps):  # and the final policy
