@@ -330,6 +330,8 @@ def _convert(tp, value, key: str):
         (inner,) = [a for a in args if a is not type(None)]
         return _convert(inner, value, key)
     if origin is Literal:
+        if value is False and "off" in args:  # YAML 1.1 reads a bare `off` as false
+            value = "off"
         if value not in args:
             raise ConfigError(f"{key}: expected one of {', '.join(map(repr, args))}, got {value!r}")
         return value

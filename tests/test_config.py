@@ -68,6 +68,7 @@ def test_is_correction_and_partial_rollouts_load():
     cfg = load_config(TINY, ["generator.partial_rollouts=true", "grpo.is_correction.level=geo", "grpo.max_token_age=1"])
     assert cfg.generator.partial_rollouts and cfg.grpo.max_token_age == 1
     assert (cfg.grpo.is_correction.level, cfg.grpo.is_correction.mode) == ("geo", "mask")
+    assert load_config(TINY, ["grpo.is_correction.level=off"]).grpo.is_correction.level == "off"  # YAML's false
     # off (the default) does not care about the sampling temperature
     assert load_config(TINY, ["sampling.temperature=0.7"]).grpo.is_correction.level == "off"
 
