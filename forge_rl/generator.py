@@ -196,8 +196,8 @@ class Generator(ForgeActor):
         """Controller, returns once the engine samples with the weights stored under `version`.
 
         Fetching from TorchStore and writing the file overlap generation; only the in-engine load waits
-        for running requests to finish (WeightGate), or with partial rollouts pauses them. Updates apply one at a time, in the order they
-        arrive. The state dict must use Hugging Face names (what vLLM's checkpoint loader reads).
+        for running requests to finish (WeightGate), or with partial rollouts pauses them. Updates apply
+        one at a time, in the order they arrive. The state dict must use Hugging Face names (what vLLM's checkpoint loader reads).
         """
         async with self.update_lock:
             state_dict = await store.get_state_dict(version, prefix=self.weights_prefix)
