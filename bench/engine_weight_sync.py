@@ -34,7 +34,7 @@ from forge_rl import store, weight_sync  # noqa: E402
 from forge_rl.actor import stop  # noqa: E402
 from forge_rl.config import GeneratorConfig  # noqa: E402
 from forge_rl.generator import Generator  # noqa: E402
-from forge_rl.provisioner import free_port  # noqa: E402
+from forge_rl.envs.client import free_port  # noqa: E402
 from forge_rl.tiny_model import build_tiny_model  # noqa: E402
 from forge_rl.trainer import Trainer  # noqa: E402
 

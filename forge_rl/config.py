@@ -75,6 +75,30 @@ class SamplingConfig:
 
 
 @dataclass
+class ISCorrectionConfig:
+    """Importance-sampling correction of the loss (forge_rl.loss.is_weights; docs/off_policy.md)."""
+
+    level: Literal["off", "token", "seq", "geo"] = "off"
+    mode: Literal["mask", "clip", "trunc"] = "mask"
+    threshold: list = field(default_factory=lambda: [0.5, 2.0])  # [low, high] band of the ratio's gate
+
+    def check(self, key):
+        t = self.threshold
+        if not (
+            isinstance(t, list) and len(t) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in t)
+        ):
+            raise ConfigError(f"{key}.threshold: expected [low, high], two numbers, got {t!r}")
+        self.threshold = [float(x) for x in t]
+        if not 0 <= t[0] <= 1 <= t[1] or t[0] == t[1]:
+            raise ConfigError(f"{key}.threshold: expected 0 <= low <= 1 <= high and low < high, got {t}")
+        if self.level in ("seq", "geo") and self.mode != "mask":
+            raise ConfigError(
+                f"{key}: level {self.level} with mode {self.mode} makes no sense (a sequence's ratio is no "
+                "token's importance weight); use mode mask, or level token"
+            )
+
+
+@dataclass
 class GRPOConfig:
     group_size: int = 4  # games per group, dealt from the same seed
     batch_size: int = 64  # groups per train step
@@ -87,6 +111,8 @@ class GRPOConfig:
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     entropy_coef: float = 0.3
     filter_zero_spread: bool = False  # DAPO dynamic sampling: skip groups whose rewards are all equal
+    max_token_age: Optional[int] = None  # drop from the loss tokens sampled more than this many versions ago
+    is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
 
     def check(self, key):
         if self.group_size < 2:
@@ -95,6 +121,8 @@ class GRPOConfig:
         _non_negative(self, key, "max_policy_age", "clip_low", "clip_high", "kl_coef", "entropy_coef")
         if self.clip_low >= 1:
             raise ConfigError(f"{key}.clip_low: expected < 1 (the ratio is clipped below at 1 - clip_low), got {self.clip_low}")
+        if self.max_token_age is not None:
+            _non_negative(self, key, "max_token_age")
 
 
 @dataclass
@@ -131,6 +159,7 @@ class GeneratorConfig:
     max_model_len: int = 512
     gpu_memory_utilization: float = 0.05  # on CPU: share of host memory for the KV cache
     weight_sync: Literal["auto", "shm", "broadcast", "store"] = "auto"  # how weights travel (weight_sync.py)
+    partial_rollouts: bool = False  # True: a weight update pauses running requests, false: waits for them
 
     def check(self, key):
         _positive(self, key, "num_replicas", "procs", "max_model_len")
@@ -296,6 +325,8 @@ def _convert(tp, value, key: str):
         (inner,) = [a for a in args if a is not type(None)]
         return _convert(inner, value, key)
     if origin is Literal:
+        if value is False and "off" in args:  # YAML 1.1 reads a bare `off` as false
+            value = "off"
         if value not in args:
             raise ConfigError(f"{key}: expected one of {', '.join(map(repr, args))}, got {value!r}")
         return value

@@ -17,6 +17,7 @@ generator owns `logprobs` (always the sampled token's), `structured_outputs` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
@@ -132,11 +133,13 @@ class WeightGate:
 
 
 class Generator(ForgeActor):
-    """One vLLM engine replica serving the policy; every completion says which weights version made it.
+    """One vLLM engine replica serving the policy; every token says which weights version sampled it.
 
     Lifecycle: the constructor stores config; `setup()` starts the engine on the weights in `model_path`
     (policy version 0); then any mix of concurrent `generate` calls and `update_weights(v)` calls; the
-    engine shuts down with the actor. Invariant: see WeightGate.
+    engine shuts down with the actor. Invariant: without partial rollouts see WeightGate (one version per
+    request); with them, the engine's weight version changes only while it is paused, so vLLM's version
+    stamp on each output batch is the version that sampled its tokens (`_swap_keeping_requests`).
     """
 
     def __init__(
@@ -161,6 +164,7 @@ class Generator(ForgeActor):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.engine = AsyncLLM.from_engine_args(engine_args(self.model_path, self.dtype, self.config, self.seed))
+        await self.engine.update_weight_version(str(self.policy_version))
 
     @concurrent_endpoint
     async def generate(self, prompt_token_ids: list[int], sampling: dict) -> list[Completion]:
@@ -168,46 +172,57 @@ class Generator(ForgeActor):
         from vllm.inputs import tokens_input
 
         params = sampling_params(sampling)
-        async with self.gate.request():
+        # With partial rollouts a weight swap pauses the engine instead of waiting for this request.
+        gate = contextlib.nullcontext() if self.config.partial_rollouts else self.gate.request()
+        async with gate:
             version = self.policy_version
             final = None
             async for final in self.engine.generate(tokens_input(list(prompt_token_ids)), params, uuid.uuid4().hex):
                 pass
-        return [
-            Completion(
-                prompt_ids=list(prompt_token_ids),
-                token_ids=list(c.token_ids),
-                logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
-                text=c.text,
-                finish_reason=c.finish_reason,
-                policy_version=version,
+        completions = []
+        for c in final.outputs:
+            # Without partial rollouts the WeightGate makes `version` that of every token.
+            spans = c.weight_versions if self.config.partial_rollouts else None
+            versions = token_versions(spans, len(c.token_ids), version)
+            completions.append(
+                Completion(
+                    prompt_ids=list(prompt_token_ids),
+                    token_ids=list(c.token_ids),
+                    logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                    text=c.text,
+                    finish_reason=c.finish_reason,
+                    policy_version=min(versions, default=version),
+                    token_versions=versions,
+                )
             )
-            for c in final.outputs
-        ]
+        return completions
 
     @concurrent_endpoint
     async def update_weights(self, version: int) -> None:
         """Controller, returns once the engine samples with the weights of `version`.
 
         Two phases: fetch/stage the bytes (`_stage`, overlapping generation except for a broadcast,
-        which vLLM's workers take between engine steps), then the gated in-engine load, which waits for
-        running requests to finish (WeightGate). Updates apply one at a time, in arrival order. The
-        state dict must use Hugging Face names (what vLLM's checkpoint loader reads). If the load fails
-        the engine's weights are of no known version: new completions are stamped -1 until an update
-        succeeds.
+        which vLLM's workers take between engine steps), then the in-engine load: it waits for running
+        requests to finish (WeightGate), or with `partial_rollouts` pauses them and resumes them on the
+        new weights. Updates apply one at a time, in arrival order. The state dict must use Hugging Face
+        names (what vLLM's checkpoint loader reads). If the load fails the engine's weights are of no
+        known version: new completions are stamped -1 until an update succeeds.
         """
         async with self.update_lock:
             load, args, staged_file = await self._stage(version)
             try:
-                async with self.gate.swap():
-                    try:
-                        await self.engine.collective_rpc(load, args=args)
-                    except BaseException:
-                        self.policy_version = -1
-                        raise
-                    if not await self.engine.reset_prefix_cache():
-                        raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
-                    self.policy_version = version
+                if self.config.partial_rollouts:
+                    await self._swap_keeping_requests(load, args, version)
+                else:
+                    async with self.gate.swap():
+                        try:
+                            await self.engine.collective_rpc(load, args=args)
+                        except BaseException:
+                            self.policy_version = -1
+                            raise
+                        if not await self.engine.reset_prefix_cache():
+                            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+                        self.policy_version = version
             finally:
                 if staged_file is not None:
                     staged_file.unlink(missing_ok=True)
@@ -236,6 +251,26 @@ class Generator(ForgeActor):
         replica joins the broadcast group, as ranks first_rank, first_rank + 1, ..."""
         return await self.engine.collective_rpc("join_weights_group", args=(rendezvous, port, first_rank, world, bind))
 
+    async def _swap_keeping_requests(self, load: str, args: tuple, version: int) -> None:
+        """Partial rollouts: pause the engine with its requests kept, load, stamp the version, resume.
+
+        No request is aborted or restarted from zero; each continues from the tokens it has. The KV
+        cache is cleared while paused (vLLM preempts the kept requests), so the rest of a request
+        attends to keys recomputed with the new weights over its whole prefix: the policy a trainer at
+        the new version scores. Requests arriving meanwhile queue in the engine until the resume.
+        """
+        await self.engine.pause_generation(mode="keep", clear_cache=True)
+        try:
+            try:
+                await self.engine.collective_rpc(load, args=args)
+            except BaseException:
+                self.policy_version = -1
+                raise
+            await self.engine.update_weight_version(str(version))
+            self.policy_version = version
+        finally:
+            await self.engine.resume_generation()
+
     @endpoint
     async def current_version(self) -> int:
         """Any caller: the weights version new requests will be sampled with."""
@@ -248,6 +283,22 @@ class Generator(ForgeActor):
             engine, self.engine = self.engine, None
             await asyncio.to_thread(engine.shutdown, 1.0)
         weight_sync.remove_orphaned_buffers()  # a trainer killed with -9 cannot unlink its own
+
+
+def token_versions(spans, num_tokens: int, default: int) -> list[int]:
+    """vLLM's weight-version spans of one completion -> the version of each of its tokens.
+
+    The engine stamps every output batch with its weight version (set by `update_weight_version`);
+    the final output lists the spans of token indexes each version produced. No spans (a completion
+    without tokens, or an engine that reported none): every token by `default`, the version it
+    entered with.
+    """
+    if not spans:
+        return [default] * num_tokens
+    versions = [default] * num_tokens
+    for span in spans:
+        versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
+    return versions
 
 
 def write_weights_file(state_dict: dict[str, torch.Tensor]) -> Path:

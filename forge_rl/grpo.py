@@ -51,7 +51,7 @@ from forge_rl.envs import load_env_class
 from forge_rl.envs.client import EnvSession, EpisodeAborted, env_url
 from forge_rl.generator import Generator
 from forge_rl.metrics import MetricsLogger, plot_curves
-from forge_rl.provisioner import free_port
+from forge_rl.envs.client import free_port
 from forge_rl.reference import ReferenceModel
 from forge_rl.replay_buffer import ReplayBufferActor
 from forge_rl.rollout import Conversation
@@ -406,6 +406,9 @@ async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
             "train/clip_fraction": metrics.get("clip_fraction", 0.0),
             "train/grad_norm": metrics["grad_norm"],
             "train/ratio_max": metrics["ratio_max"],
+            "train/behaviour_kl": metrics["behaviour_kl"],
+            "train/is_masked_fraction": metrics.get("is_masked_fraction", 0.0),
+            "train/mixed_version_episodes": metrics["mixed_version_episodes"],
             "train/policy_age": run.version - 1 - metrics["policy_version_min"],
             "train/episodes_per_s": (run.episodes_played - episodes_at_start) / (time.time() - start),
             "train/lr": metrics["lr"],
@@ -414,6 +417,7 @@ async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
             "time/push_weights_s": metrics["push_s"],
             "time/update_weights_s": metrics["load_s"],
         }
+        values.update({f"train/{k}": v for k, v in metrics.items() if "/age_" in k})  # ratio extremes by token age
         values.update({f"buffer/{k}": v for k, v in (await call(run.buffer, "stats", timeout_s=BUFFER_TIMEOUT_S)).items()})
         values.update({"rollout/errors": run.rollout_errors, "rollout/aborted_games": run.aborted_games})
         if cfg.eval.interval and (run.step % cfg.eval.interval == 0 or run.step == cfg.trainer.max_steps):  # and the final policy

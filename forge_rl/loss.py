@@ -9,11 +9,16 @@ BEHAVIOUR log-probs (what the generator returned when it sampled). Taking it aga
 detached copy of the current log-probs makes the ratio identically 1 and silently turns
 clipping off (TorchForge's GRPO loss does that).
 
-Deliberately not here: value functions / GAE (GRPO has no critic), token-level
-advantages from a reward model, and importance-sampling corrections between the
-generator's and the trainer's numerics (TIS/MIS); the behaviour log-probs already absorb
-the policy-version lag, which is what the clip is for.
+With an importance-sampling correction on (`is_level` not "off", see `is_weights`), the
+ratio is instead taken against the trainer's own log-probs at this step (detached, so it is 1
+and only carries the gradient) and each token is weighted by a gate on the trainer/behaviour
+ratio: the behaviour policy may be a mix of versions (partial rollouts) and of numerics.
+
+Deliberately not here: value functions / GAE (GRPO has no critic) and token-level
+advantages from a reward model.
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +100,50 @@ def seq_mean(per_token: torch.Tensor, mask: torch.Tensor, denominator: float | N
 AGGREGATIONS = {"token_mean": token_mean, "seq_mean": seq_mean}
 
 
+# ---------------------------------------------------------------------------- IS correction
+# Levels: the ratio r = pi_trainer / pi_behaviour of each token, of the whole sequence (product),
+# or its geometric mean over the sequence (the per-token average, comparable across lengths).
+# Modes: mask keeps a token (weight 1) when r is within [low, high] and removes it (weight 0)
+# otherwise (rejection, as MIS/IcePop); clip weighs it by r clamped to [low, high]; trunc by
+# min(r, high) (TIS). A sequence or geometric ratio is no importance weight of a token, so it
+# only masks.
+IS_LEVELS = ("off", "token", "seq", "geo")
+IS_MODES = ("mask", "clip", "trunc")
+
+
+def is_weights(
+    log_ratio: torch.Tensor,  # [B, T] trainer minus behaviour log-prob of each sampled token (detached)
+    mask: torch.Tensor,  # [B, T] 1 where the policy sampled the token
+    level: str,
+    mode: str,
+    low: float,
+    high: float,
+) -> torch.Tensor:
+    """Per-token weights [B, T] of the importance-sampling correction; 0 off the mask."""
+    if level not in IS_LEVELS[1:] or mode not in IS_MODES:
+        raise ValueError(f"is_correction: level {level!r} mode {mode!r}; levels {IS_LEVELS[1:]}, modes {IS_MODES}")
+    if level != "token" and mode != "mask":
+        raise ValueError(f"is_correction: level {level!r} only masks (mode 'mask'), got mode {mode!r}")
+    mask = mask.bool()
+    log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
+    if level == "token":
+        log_r = log_ratio  # [B, T]
+    else:
+        log_r = log_ratio.sum(-1, keepdim=True)  # [B, 1]
+        if level == "geo":
+            log_r = log_r / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_r = log_r.expand_as(log_ratio)
+    # Compared in log space: a sequence's ratio overflows exp long before its log does.
+    if mode == "mask":
+        weights = ((log_r >= math.log(low) if low > 0 else True) & (log_r <= math.log(high))).to(log_ratio.dtype)
+        weights = weights.expand_as(log_ratio)
+    elif mode == "clip":
+        weights = log_r.exp().clamp(low, high)
+    else:
+        weights = log_r.exp().clamp(max=high)
+    return weights * mask
+
+
 # ---------------------------------------------------------------------------- the loss
 
 
@@ -121,9 +170,18 @@ def grpo_loss(
     # Zero the log-ratio off-mask so padding (where behaviour log-probs are 0 and the
     # current ones are arbitrary) cannot produce inf * 0 = nan in the gradient.
     log_ratio = torch.where(mask, logprobs - behaviour_logprobs, torch.zeros_like(logprobs))
+    weights = None  # [B, T] importance-sampling correction
+    correction = config.is_correction
+    if correction.level != "off":
+        with torch.no_grad():
+            weights = is_weights(log_ratio, mask, correction.level, correction.mode, *correction.threshold)
+        is_ratio = torch.exp(log_ratio.detach())  # trainer / behaviour, for the metrics
+        log_ratio = torch.where(mask, logprobs - logprobs.detach(), torch.zeros_like(logprobs))
     ratio = torch.exp(log_ratio)  # [B, T]
     clipped = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)  # [B, T]
+    if weights is not None:
+        per_token = weights * per_token
 
     kl = None
     if config.kl_coef > 0:
@@ -147,14 +205,18 @@ def grpo_loss(
 
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
-        r = ratio[mask]
+        behaviour_log_ratio = torch.where(mask, logprobs - behaviour_logprobs, torch.zeros_like(logprobs))
+        # With a correction the PPO ratio is 1: the ratio metrics then say how far the trainer is
+        # from the behaviour policy instead.
+        shown = is_ratio if weights is not None else ratio
+        r = shown[mask]
 
         def masked_mean(x):
             return (x * mask).sum() / n
 
         metrics = {
             "num_tokens": mask.sum().float(),
-            "ratio_mean": masked_mean(ratio),
+            "ratio_mean": masked_mean(shown),
             "ratio_min": r.min() if r.numel() else torch.tensor(1.0),
             "ratio_max": r.max() if r.numel() else torch.tensor(1.0),
             # Clipping is active (gradient zero) when the ratio left the band in the
@@ -164,6 +226,10 @@ def grpo_loss(
             "advantage_mean": masked_mean(advantages),
         }
         metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
+        # KL(behaviour || trainer) from the tokens behaviour sampled (k3, see KL_ESTIMATORS).
+        metrics["behaviour_kl"] = masked_mean(KL_ESTIMATORS["k3"](behaviour_log_ratio))
+        if weights is not None:
+            metrics["is_masked_fraction"] = masked_mean((weights == 0).float())
         if kl is not None:
             metrics["kl"] = masked_mean(kl)
         elif ref_logprobs is not None:

@@ -91,7 +91,8 @@ class ReplayBuffer:
 
 
 def group_version(group: list[Episode]) -> int:
-    """A group is as old as its oldest episode."""
+    """A group is as old as its oldest episode, an episode as its oldest sampled token (partial
+    rollouts mix versions within one answer)."""
     return min(e.policy_version for e in group)
 
 

@@ -45,7 +45,10 @@ from forge_rl.types import Episode
 from forge_rl.weight_sync import SharedBuffers, WeightsHandle, broadcast_send, join_group, make_layout
 
 # Metrics that are token-weighted means inside grpo_loss; summed * num_tokens across pieces.
-_MEAN_METRICS = ("kl", "entropy", "ratio_mean", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "advantage_mean")
+_MEAN_METRICS = (
+    "kl", "entropy", "ratio_mean", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "advantage_mean",
+    "behaviour_kl", "is_masked_fraction",
+)
 
 
 class Trainer(ForgeActor):
@@ -120,6 +123,8 @@ class Trainer(ForgeActor):
             denominator = (t["mask"].sum(-1) > 0).sum().clamp(min=1).item()
 
         sums, ratio_min, ratio_max = defaultdict(float), math.inf, -math.inf
+        ages = range(self.grpo.max_policy_age + 1)  # the same keys on every rank
+        by_age = {a: [math.inf, -math.inf] for a in ages}  # age -> [ratio min, ratio max]
         rows = self._my_rows(len(batch))
         # Every rank runs the same number of forward/backward passes (FSDP's collectives pair
         # up); a rank short of rows runs row 0 with its loss weighted 0.
@@ -127,7 +132,7 @@ class Trainer(ForgeActor):
         for piece in torch.tensor_split(rows, n_micro):
             weight = 1.0 if len(piece) else 0.0
             piece = piece if len(piece) else torch.tensor([0])
-            loss, m = self._forward_loss(t, piece, weight, denominator)
+            loss, m = self._forward_loss(t, piece, weight, denominator, by_age)
             loss.backward()
             n = m["num_tokens"].item()
             sums["loss"] += loss.item()
@@ -158,7 +163,13 @@ class Trainer(ForgeActor):
             num_sequences=len(batch),
             reward_mean=sum(e.reward for e in batch) / len(batch),
             policy_version_min=min(e.policy_version for e in batch),
+            mixed_version_episodes=sum(len(set(e.token_versions[e.loss_mask.bool()].tolist())) > 1 for e in batch)
+            / len(batch),
         )
+        for a in ages:  # the trainer/behaviour ratio's extremes by the age of the token's version
+            low, high = -self._all_max(-by_age[a][0]), self._all_max(by_age[a][1])
+            if high >= low:
+                metrics[f"ratio_min/age_{a}"], metrics[f"ratio_max/age_{a}"] = low, high
         return metrics
 
     @endpoint
@@ -270,9 +281,12 @@ class Trainer(ForgeActor):
             "lengths": torch.tensor([len(e.tokens) for e in batch]),
             "mask": pad([e.loss_mask for e in batch], torch.float32),
             "behaviour": pad([e.behaviour_logprobs for e in batch], torch.float32),
+            "ages": self.policy_version - pad([e.token_versions for e in batch], torch.long),
             "advantages": torch.zeros(len(batch)),
         }
         t["mask"][:, 0] = 0  # the first token has no prediction to train
+        if self.grpo.max_token_age is not None:  # tokens sampled too many versions ago leave the loss
+            t["mask"] *= (t["ages"] <= self.grpo.max_token_age).float()
         if ref_logprobs is not None:
             t["ref"] = pad(ref_logprobs, torch.float32)
         by_group = defaultdict(list)
@@ -283,9 +297,9 @@ class Trainer(ForgeActor):
             t["advantages"][rows] = group_advantages(rewards, self.grpo.normalize_std)
         return t
 
-    def _forward_loss(self, t: dict, rows: torch.Tensor, weight: float, denominator: float):
+    def _forward_loss(self, t: dict, rows: torch.Tensor, weight: float, denominator: float, by_age: dict):
         """GRPO loss of some rows, trimmed to their longest episode; position 0 is dropped
-        (nothing predicts it)."""
+        (nothing predicts it). Updates `by_age` (age -> [min, max] trainer/behaviour ratio)."""
         length = max(2, int(t["lengths"][rows].max()))
 
         def take(name):
@@ -295,11 +309,18 @@ class Trainer(ForgeActor):
             lp, logits = sequence_logprobs(
                 self.model, t["tokens"][rows, :length].to(self.device), True, self.allowed_token_ids, self.temperature
             )
+        mask = take("mask") * weight
+        with torch.no_grad():
+            ratio, ages = torch.exp(lp[:, 1:] - take("behaviour")), take("ages")
+            for a, extremes in by_age.items():
+                r = ratio[(ages == a) & mask.bool()]
+                if r.numel():
+                    extremes[0], extremes[1] = min(extremes[0], r.min().item()), max(extremes[1], r.max().item())
         return grpo_loss(
             lp[:, 1:],
             take("behaviour"),
             t["advantages"][rows].to(self.device),
-            take("mask") * weight,
+            mask,
             self.grpo,
             ref_logprobs=take("ref"),
             logits=logits,

@@ -1,6 +1,6 @@
 """Records passed between forge_rl components (a stable contract: change with care)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,12 +21,18 @@ class Episode:
     reward: float  # the episode's total reward
     policy_version: int  # the OLDEST policy version that sampled any token of it (staleness is judged by it)
     group_id: str  # shared by all episodes of one prompt/seed
+    # [T] int64 the policy version that sampled each token, -1 where mask is 0. With partial rollouts one
+    # answer can mix versions. None at construction: every sampled token by policy_version.
+    token_versions: torch.Tensor | None = None
 
     def __post_init__(self):
-        if not (len(self.tokens) == len(self.loss_mask) == len(self.behaviour_logprobs)):
+        if self.token_versions is None:
+            self.token_versions = torch.where(torch.as_tensor(self.loss_mask).bool(), self.policy_version, -1).long()
+        if not (len(self.tokens) == len(self.loss_mask) == len(self.behaviour_logprobs) == len(self.token_versions)):
             raise ValueError(
-                f"Episode {self.group_id!r}: tokens, loss_mask and behaviour_logprobs must have one entry per token, "
-                f"got {len(self.tokens)}, {len(self.loss_mask)}, {len(self.behaviour_logprobs)}"
+                f"Episode {self.group_id!r}: tokens, loss_mask, behaviour_logprobs and token_versions must have one "
+                f"entry per token, got {len(self.tokens)}, {len(self.loss_mask)}, {len(self.behaviour_logprobs)}, "
+                f"{len(self.token_versions)}"
             )
 
 
@@ -35,7 +41,7 @@ class Completion:
     """One sample the Generator drew for one prompt (`Generator.generate` returns n per prompt).
 
     The rollout loop turns the completions of an episode's turns into one Episode: token_ids become
-    trained tokens (loss_mask 1), logprobs their behaviour_logprobs, the lowest policy_version its own.
+    trained tokens (loss_mask 1), logprobs their behaviour_logprobs, token_versions their versions.
     Lists, not tensors: a completion is a few tokens and crosses a process boundary as it is.
     """
 
@@ -48,8 +54,16 @@ class Completion:
     logprobs: list[float]
     text: str  # token_ids decoded, special tokens skipped: what an app parses its action from
     finish_reason: str  # "stop" (stop token/string), "length" (max_tokens reached) or "abort" (cancelled)
-    policy_version: int  # the weights version that sampled every token of it (0: the initial weights)
+    policy_version: int  # the OLDEST weights version that sampled a token of it (0: the initial weights)
+    # [T] the weights version that sampled each token: with partial rollouts a weight update in the middle
+    # of a request gives [v]*k + [v+1]*(T-k). Empty at construction: every token by policy_version.
+    token_versions: list[int] = field(default_factory=list)
 
     def __post_init__(self):
-        if len(self.token_ids) != len(self.logprobs):
-            raise ValueError(f"Completion: {len(self.token_ids)} token_ids but {len(self.logprobs)} logprobs")
+        if not self.token_versions:
+            self.token_versions = [self.policy_version] * len(self.token_ids)
+        if not len(self.token_ids) == len(self.logprobs) == len(self.token_versions):
+            raise ValueError(
+                f"Completion: {len(self.token_ids)} token_ids but {len(self.logprobs)} logprobs "
+                f"and {len(self.token_versions)} token_versions"
+            )

@@ -63,6 +63,10 @@ def write(tmp_path, text):
         (["grpo.loss_agg=sum"], r"grpo\.loss_agg: expected one of 'token_mean', 'seq_mean'"),
         (["sampling.top_p=0.9"], r"sampling\.top_p: expected 1\.0, got 0\.9 \(the trainer scores the whole distribution"),
         (["sampling.temperature=0"], r"sampling\.temperature: expected > 0"),
+        (["grpo.is_correction.level=geo", "grpo.is_correction.mode=clip"], r"grpo\.is_correction: level geo with mode clip"),
+        (["grpo.is_correction.level=seq", "grpo.is_correction.mode=trunc"], r"grpo\.is_correction: level seq with mode trunc"),
+        (["grpo.is_correction.threshold=[1.2,2]"], r"grpo\.is_correction\.threshold: expected 0 <= low <= 1 <= high"),
+        (["grpo.is_correction.level=half"], r"grpo\.is_correction\.level: expected one of 'off'"),
     ],
 )
 def test_bad_values_name_the_key_and_the_file(overrides, message):
@@ -70,6 +74,15 @@ def test_bad_values_name_the_key_and_the_file(overrides, message):
         load_config(TINY, overrides)
     assert str(TINY) in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_is_correction_and_partial_rollouts_load():
+    cfg = load_config(TINY, ["generator.partial_rollouts=true", "grpo.is_correction.level=geo", "grpo.max_token_age=1"])
+    assert cfg.generator.partial_rollouts and cfg.grpo.max_token_age == 1
+    assert (cfg.grpo.is_correction.level, cfg.grpo.is_correction.mode) == ("geo", "mask")
+    assert load_config(TINY, ["grpo.is_correction.level=off"]).grpo.is_correction.level == "off"  # YAML's false
+    # off (the default) does not care about the sampling temperature
+    assert load_config(TINY, ["sampling.temperature=0.7"]).grpo.is_correction.level == "off"
 
 
 def test_missing_required_key(tmp_path):

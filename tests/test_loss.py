@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from forge_rl.config import GRPOConfig
+from forge_rl.config import GRPOConfig, ISCorrectionConfig
 from forge_rl.loss import (
+    is_weights,
     group_advantages,
     grpo_loss,
     kl_penalty,
@@ -161,3 +162,96 @@ def test_gradient_flows_only_through_masked_tokens():
     per_position = logits.grad.abs().sum(-1)  # [B, T]
     assert torch.all(per_position[mask == 0] == 0)
     assert torch.all(per_position[mask == 1] > 0)
+
+
+# ---------------------------------------------------------------------------- IS correction
+
+
+def corrected(level, mode, band):
+    return grpo(is_correction=ISCorrectionConfig(level=level, mode=mode, threshold=list(band)))
+
+# The same two sequences: trainer/behaviour ratios seq 0 [1, 1.5, 0.5, 1.1], seq 1 [1, 1.5, 0.5, (masked)].
+# Products: seq 0 0.825, seq 1 0.75; geometric means 0.825^(1/4) = 0.95305, 0.75^(1/3) = 0.90856.
+
+
+@pytest.mark.parametrize(
+    "level, mode, band, expected",
+    [
+        ("token", "mask", (0.8, 1.25), [[1, 0, 0, 1], [1, 0, 0, 0]]),  # 1.5 and 0.5 leave the band
+        ("token", "clip", (0.8, 1.25), [[1, 1.25, 0.8, 1.1], [1, 1.25, 0.8, 0]]),
+        ("token", "trunc", (0.8, 1.25), [[1, 1.25, 0.5, 1.1], [1, 1.25, 0.5, 0]]),  # only the top is cut
+        ("seq", "mask", (0.8, 1.25), [[1, 1, 1, 1], [0, 0, 0, 0]]),  # 0.825 in, 0.75 out
+        ("seq", "mask", (0.7, 0.8), [[0, 0, 0, 0], [1, 1, 1, 0]]),
+        ("geo", "mask", (0.95, 1.05), [[1, 1, 1, 1], [0, 0, 0, 0]]),  # 0.953 in, 0.909 out
+        ("geo", "mask", (0.9, 0.95), [[0, 0, 0, 0], [1, 1, 1, 0]]),
+    ],
+)
+def test_is_weights_by_hand(level, mode, band, expected):
+    close(is_weights(LOG_RATIO, MASK, level, mode, *band), expected)
+
+
+def test_sequence_ratio_compared_in_log_space_does_not_overflow():
+    log_ratio = torch.tensor([[60.0, 60.0], [-60.0, -60.0]])  # products e^120 and e^-120
+    close(is_weights(log_ratio, torch.ones(2, 2), "seq", "mask", 0.0, 1e300), [[1, 1], [1, 1]])
+    close(is_weights(log_ratio, torch.ones(2, 2), "seq", "mask", 0.5, 2.0), [[0, 0], [0, 0]])
+
+
+@pytest.mark.parametrize(
+    "level, mode, band, loss, grad",
+    [
+        # ratio against the trainer's own detached log-probs is 1, so per-token = -w * A and
+        # d loss / d logprob = -w * A / 7.
+        # mask: seq 0 -(1 + 1) = -2, seq 1 +2 * 1 = 2 -> 0 / 7
+        ("token", "mask", (0.8, 1.25), 0.0, [[-1 / 7, 0, 0, -1 / 7], [2 / 7, 0, 0, 0]]),
+        # clip: seq 0 -4.15, seq 1 +2 * 3.05 = 6.1 -> 1.95 / 7
+        ("token", "clip", (0.8, 1.25), 1.95 / 7, [[-1 / 7, -1.25 / 7, -0.8 / 7, -1.1 / 7], [2 / 7, 2.5 / 7, 1.6 / 7, 0]]),
+        # trunc: seq 0 -3.85, seq 1 +2 * 2.75 = 5.5 -> 1.65 / 7
+        ("token", "trunc", (0.8, 1.25), 1.65 / 7, [[-1 / 7, -1.25 / 7, -0.5 / 7, -1.1 / 7], [2 / 7, 2.5 / 7, 1 / 7, 0]]),
+        # seq 1 masked whole: -4 / 7
+        ("seq", "mask", (0.8, 1.25), -4 / 7, [[-1 / 7] * 4, [0, 0, 0, 0]]),
+        ("geo", "mask", (0.95, 1.05), -4 / 7, [[-1 / 7] * 4, [0, 0, 0, 0]]),
+    ],
+)
+def test_corrected_loss_and_gradient_by_hand(level, mode, band, loss, grad):
+    lp = make_logprobs()
+    value, m = grpo_loss(lp, BEHAVIOUR, ADV, MASK, corrected(level, mode, band))
+    close(value, loss)
+    value.backward()
+    close(lp.grad, grad)
+    close(m["ratio_max"], 1.5)  # the trainer/behaviour ratio, not the PPO ratio (1)
+    close(m["ratio_min"], 0.5)
+    close(m["clip_fraction"], 0.0)
+    masked = {"mask": {"token": 4 / 7, "seq": 3 / 7, "geo": 3 / 7}}.get(mode, {}).get(level, 0.0)
+    close(m["is_masked_fraction"], masked)
+
+
+def test_correction_off_is_todays_loss_bit_for_bit():
+    lp, lp_today = make_logprobs(), make_logprobs()
+    loss, m = grpo_loss(lp, BEHAVIOUR, ADV, MASK, corrected("off", "clip", (0.9, 1.1)))
+    # today's formula, written out
+    mask = MASK.bool()
+    ratio = torch.exp(torch.where(mask, lp_today - BEHAVIOUR, torch.zeros_like(lp_today)))
+    adv = ADV[:, None].expand_as(lp_today)
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv)
+    today = (per_token * mask).sum() / mask.sum()
+    assert torch.equal(loss, today)
+    loss.backward()
+    today.backward()
+    assert torch.equal(lp.grad, lp_today.grad)
+    assert "is_masked_fraction" not in m
+
+
+def test_behaviour_kl_by_hand():
+    # k3 = r - 1 - ln r: 1.5 -> 0.0945349, 0.5 -> 0.1931472, 1.1 -> 0.0046898, 1 -> 0
+    # (0 + .0945349 + .1931472 + .0046898 + 0 + .0945349 + .1931472) / 7 = 0.0828649
+    _, m = grpo_loss(make_logprobs(), BEHAVIOUR, ADV, MASK, grpo())
+    close(m["behaviour_kl"], 0.0828649)
+
+
+def test_is_correction_refuses_sequence_ratios_as_weights():
+    for level in ("seq", "geo"):
+        for mode in ("clip", "trunc"):
+            with pytest.raises(ValueError, match="only masks"):
+                is_weights(LOG_RATIO, MASK, level, mode, 0.5, 2.0)
+    with pytest.raises(ValueError, match="level 'half'"):
+        is_weights(LOG_RATIO, MASK, "half", "mask", 0.5, 2.0)

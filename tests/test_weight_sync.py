@@ -145,7 +145,7 @@ def as_bytes(state_dict: dict) -> dict[str, bytes]:
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
 def test_a_broadcast_between_two_addresses_arrives_bit_exact():
     """Gloo on CPU (members bound to 127.0.0.2 and 127.0.0.3), NCCL when CUDA is present."""
-    from forge_rl.provisioner import free_port
+    from forge_rl.envs.client import free_port
 
     ctx = torch.multiprocessing.get_context("spawn")
     results, port = ctx.Queue(), free_port()

@@ -23,7 +23,7 @@ from forge_rl import store, weight_sync
 from forge_rl.actor import stop
 from forge_rl.config import GeneratorConfig
 from forge_rl.generator import Generator
-from forge_rl.provisioner import free_port
+from forge_rl.envs.client import free_port
 from forge_rl.tiny_model import build_tiny_model
 from forge_rl.trainer import Trainer
 
