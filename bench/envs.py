@@ -26,7 +26,7 @@ sys.modules.setdefault("gradio", None)  # as in the servers: a lean process fork
 
 from forge_rl.envs.blackjack import BlackJackAction, BlackJackEnvironment  # noqa: E402
 from forge_rl.envs.client import EnvSession, launch_local  # noqa: E402
-from forge_rl.envs.code_task import synthesize  # noqa: E402
+from apps.coder.task import synthesize  # noqa: E402
 from forge_rl.envs.sandbox import Sandbox  # noqa: E402
 
 TRIVIAL = "print(sum(range(10)))"

@@ -12,7 +12,8 @@ import urllib.request
 import pytest
 
 from forge_rl.envs.client import EnvError, EnvSession, launch_local
-from forge_rl.envs.code_task import MAX_CODE_CHARS, humaneval_tasks, synth_task, synthesize
+from apps.coder.task import synthesize
+from forge_rl.envs.code_task import MAX_CODE_CHARS, humaneval_tasks, synth_task
 from forge_rl.envs.sandbox import detect_isolation
 
 TIMEOUT_S = 2

