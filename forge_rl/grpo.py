@@ -598,6 +598,24 @@ async def shutdown(run: Run | None) -> None:
     run.metrics.close()
 
 
+def console_to_log(run_dir: Path) -> Path:
+    """Send what every process prints (vLLM's and Monarch's INFO lines, the per-update RotaryEmbedding
+    warning of vLLM's weight reload) to run_dir/run.log, and keep this process's sys.stdout/sys.stderr
+    (the progress bar, the evaluation lines, warnings and a failure's traceback) on the console.
+
+    Done on file descriptors 1 and 2, which the actor and engine processes inherit; Python's own
+    streams are re-opened on copies of the console's."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir / "run.log"
+    sys.stdout.flush(), sys.stderr.flush()
+    sys.stdout = os.fdopen(os.dup(1), "w", buffering=1)
+    sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
+    with open(log, "ab") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    return log
+
+
 def print_task_stacks() -> None:
     """`kill -USR1 <pid>` prints where every asyncio task of the controller is waiting."""
     for task in asyncio.all_tasks():
@@ -645,8 +663,10 @@ async def main(cfg: RunConfig) -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = parse_cli()
+    log_file = console_to_log(Path(config.run_dir))
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    print(f"logs of every process (vLLM, Monarch): {log_file}")
     # SIGTERM (kubectl delete, timeout, a scheduler) stops the run like Ctrl-C: actors and engine processes
     # shut down. Left to its default it would kill this process alone and orphan vLLM's engine processes.
     signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
@@ -655,3 +675,6 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         print("interrupted: actors stopped, checkpoints kept in", Path(config.run_dir) / "checkpoints", file=sys.stderr)
         sys.exit(130)
+    except Exception:
+        print(f"failed (the traceback below); every process's output is in {log_file}", file=sys.stderr)
+        raise

@@ -41,8 +41,12 @@ def test_tiny_config_trains_on_graded_submissions(tmp_path):
     assert last["train/invalid_rate"] == 0 and math.isfinite(last["train/loss"])
     assert "step 2 pass_all=" in out and "synthesizer=1.000" in out, out[-3000:]
     assert (run_dir / "learning_curve.png").stat().st_size > 1000
+    # vLLM's and Monarch's lines go to the run's log, not the console
+    log = (run_dir / "run.log").read_text()
+    assert "Resolved architecture" in log and "Resolved architecture" not in out and " INFO " not in out, out[-3000:]
 
 
+@pytest.mark.timeout(1800)  # three actor meshes start, one a vLLM engine: minutes on a busy 2-core machine
 def test_humaneval_config_multi_turn_episodes_on_the_tiny_model(tmp_path):
     overrides = [
         f"run_dir={tmp_path}", "model.path=null", "model.dtype=float32", "sampling.max_tokens=12",
