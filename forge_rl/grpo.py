@@ -131,6 +131,9 @@ class Run:
         return await self.policy.route("generate", prompt_ids, params)
 
 
+_PROMPTS_WITH_UNKNOWN_WORDS: list[str] = []  # the first one found is reported, once per run
+
+
 def prompt_ids(game, tokenizer, observation: dict, first_turn: bool, close_previous: bool = False) -> list[int]:
     """Token ids of one user turn and the assistant header, tokenized on their own.
 
@@ -144,8 +147,8 @@ def prompt_ids(game, tokenizer, observation: dict, first_turn: bool, close_previ
     if not first_turn:
         text = "\n" + text  # the newline the chat template puts after the previous <|im_end|>
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids and not getattr(tokenizer, "_warned_unknown", False):
-        tokenizer._warned_unknown = True  # once per run: the prompt's words are the app's to fix
+    if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids and not _PROMPTS_WITH_UNKNOWN_WORDS:
+        _PROMPTS_WITH_UNKNOWN_WORDS.append(text)  # the prompt's words are the app's to fix
         logger.warning("the tokenizer does not know some words of this prompt (read as %s): %r", tokenizer.unk_token, text[:300])
     return [tokenizer.eos_token_id] + ids if close_previous else ids
 
