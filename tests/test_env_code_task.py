@@ -5,7 +5,6 @@ Runs against one server per isolation mode (bwrap where namespaces work, and the
 
 import asyncio
 import json
-import os
 import time
 import urllib.request
 
