@@ -22,7 +22,7 @@ MODES = sorted({detect_isolation(), "rlimits"})
 @pytest.fixture(scope="module", params=MODES)
 def server(request):
     env = {"SANDBOX_ISOLATION": request.param, "SANDBOX_TIMEOUT_S": str(TIMEOUT_S)}
-    with launch_local("forge_rl.envs.code_task", env=env, max_concurrent_envs=4) as srv:
+    with launch_local("forge_rl.envs.code_task", env=env, max_concurrent_envs=4, timeout_s=180) as srv:
         srv.mode = request.param
         yield srv
 
