@@ -31,13 +31,17 @@ class ForgeActor(Actor):
     @endpoint
     async def _bind_rank(self) -> dict[str, str]:
         """All ranks. Export this process's ranks for torch.distributed (the mesh-wide bootstrap can't):
-        RANK over the whole mesh, LOCAL_RANK within its host. Logs and returns where it runs."""
+        RANK over the whole mesh, LOCAL_RANK within its host. Logs and returns where it runs; called again
+        (through the mesh flattened to one `procs` dimension), it only returns that."""
+        if hasattr(self, "_where"):
+            return self._where
         point = current_rank()
         os.environ["RANK"] = str(point.rank)
         os.environ["LOCAL_RANK"] = str(point["procs"] if "procs" in point.keys() else point.rank)
         where = {"host": host_address(), "pid": str(os.getpid())}
         where.update({k: os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")})
         print(f"forge_rl {type(self).__name__}: " + " ".join(f"{k}={v}" for k, v in where.items()), file=sys.stderr, flush=True)
+        self._where = where
         return where
 
     @concurrent_endpoint

@@ -80,7 +80,7 @@ class HostAgent(Actor):
         return True
 
 
-def connect_kubernetes(namespace: str, timeout_s: int, hosts: dict[str, int]) -> dict:
+def connect_kubernetes(namespace: str, timeout_s: int, hosts: dict[str, int], transport: str = "auto") -> dict:
     """Role -> HostMesh of its Ready worker pods (label monarch.pytorch.org/mesh-name=<role>), in-cluster.
 
     Blocks until every role has its pods Ready (KubernetesJob watches the pods API) or timeout_s passes.
@@ -88,6 +88,7 @@ def connect_kubernetes(namespace: str, timeout_s: int, hosts: dict[str, int]) ->
     from monarch.job.kubernetes import KubernetesJob
 
     job = KubernetesJob(namespace=namespace, timeout=timeout_s)
+    configure_transport(transport)  # KubernetesJob sets TcpWithHostname; the config has the last word
     for role, n in hosts.items():
         job.add_mesh(role, num_replicas=n)
     try:
@@ -108,4 +109,4 @@ async def connect(cluster, hosts: dict[str, int]) -> dict:
         except asyncio.TimeoutError:
             raise RuntimeError(f"cluster.workers: no answer within 60 s from {cluster.workers}") from None
         return {role: mesh for role in hosts}
-    return connect_kubernetes(cluster.kubernetes.namespace, cluster.kubernetes.timeout_s, hosts)
+    return connect_kubernetes(cluster.kubernetes.namespace, cluster.kubernetes.timeout_s, hosts, cluster.transport)
