@@ -571,10 +571,11 @@ async def _maybe_reference(cfg: RunConfig, model_path: str, gpus: bool, allowed:
 async def shutdown(run: Run | None) -> None:
     """Stop every actor and its processes (also on Ctrl-C), so no process outlives the run.
 
-    On a cluster, a host that died first gets named, with the roles it ran, and the run exits with that.
+    On a cluster, a host that died first gets named, with the roles it ran (the error that stopped the
+    run, a Monarch SupervisionError, follows).
     """
     provisioner = get_provisioner()
-    lost = [f"{h.worker} ({h.address}), which ran {', '.join(h.running.values()) or 'no mesh'}" for h in await provisioner.lost_hosts()]
+    lost = [f"{h.worker} ({h.address}), which ran {', '.join(h.running.values()) or 'nothing'}" for h in await provisioner.lost_hosts()]
     if run is not None:
         for task in (run.policy.stop(), stop(run.trainer), stop(run.buffer), run.reference.stop() if run.reference else None):
             if task is not None:
@@ -587,8 +588,8 @@ async def shutdown(run: Run | None) -> None:
     if run is not None:
         await run.sessions.close()
         run.metrics.close()
-    if lost:
-        raise SystemExit("forge_rl: lost host " + "; lost host ".join(lost) + ". The run stopped; resume=true continues from its last checkpoint")
+    for host in lost:
+        print(f"forge_rl: lost host {host}. The run stopped; resume=true continues from its last checkpoint", file=sys.stderr)
 
 
 def print_task_stacks() -> None:
