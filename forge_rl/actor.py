@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from dataclasses import dataclass
 
 from monarch.actor import Actor, concurrent_endpoint, current_rank, endpoint
 
+from forge_rl.cluster import host_address
 from forge_rl.provisioner import get_provisioner
 
 
@@ -28,11 +30,20 @@ class ForgeActor(Actor):
         """All ranks. Heavy initialisation; override. Called once by `as_actor`/`as_service` after spawning."""
 
     @endpoint
-    async def _bind_rank(self) -> int:
-        """All ranks. Export this process's rank for torch.distributed (the mesh-wide bootstrap can't)."""
-        rank = current_rank().rank
-        os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
-        return os.getpid()
+    async def _bind_rank(self) -> dict[str, str]:
+        """All ranks. Export this process's ranks for torch.distributed (the mesh-wide bootstrap can't):
+        RANK over the whole mesh, LOCAL_RANK within its host. Logs and returns where it runs; called again
+        (through the mesh flattened to one `procs` dimension), it only returns that."""
+        if hasattr(self, "_where"):
+            return self._where
+        point = current_rank()
+        os.environ["RANK"] = str(point.rank)
+        os.environ["LOCAL_RANK"] = str(point["procs"] if "procs" in point.keys() else point.rank)
+        where = {"host": host_address(), "pid": str(os.getpid())}
+        where.update({k: os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")})
+        print(f"forge_rl {type(self).__name__}: " + " ".join(f"{k}={v}" for k, v in where.items()), file=sys.stderr, flush=True)
+        self._where = where
+        return where
 
     @concurrent_endpoint
     async def ping(self) -> bool:
@@ -40,28 +51,47 @@ class ForgeActor(Actor):
         return True
 
     @classmethod
-    def options(cls, procs: int = 1, with_gpus: bool = False, num_replicas: int = 1, **service_options) -> "Launcher":
-        return Launcher(cls, procs, with_gpus, num_replicas, service_options)
+    def options(
+        cls, procs: int = 1, with_gpus: bool = False, num_replicas: int = 1, hosts: int = 1, role: str | None = None,
+        **service_options,
+    ) -> "Launcher":
+        return Launcher(cls, procs, with_gpus, num_replicas, service_options, hosts, role)
 
 
 @dataclass
 class Launcher:
-    """How to place an actor class: `procs` processes per mesh, GPUs or not, and replicas for a service."""
+    """How to place an actor class: `procs` processes per host, GPUs or not, and replicas for a service.
+
+    `role` names the hosts it goes to (the config's cluster section; None: the controller's host). An
+    actor's mesh spans `hosts` hosts; a service's replica i runs on host i % hosts.
+    """
 
     actor_cls: type
     procs: int = 1
     with_gpus: bool = False
     num_replicas: int = 1
     service_options: dict | None = None
+    hosts: int = 1
+    role: str | None = None
 
-    async def spawn_mesh(self, *args, **kwargs):
-        """Spawn one mesh of `procs` processes running the actor, with setup() done. Returns (procs, actor)."""
+    async def spawn_mesh(self, *args, replica: int | None = None, **kwargs):
+        """Spawn one mesh running the actor, with setup() done; `replica` places a service's replica.
+        Returns (procs, actor)."""
         provisioner = get_provisioner()
         name = self.actor_cls.__name__
-        procs = provisioner.spawn_procs(self.procs, self.with_gpus, name=name)
+        if replica is None:
+            placement = {"hosts": self.hosts}
+        else:
+            placement = {"hosts": 1, "first_host": replica % self.hosts}
+        procs = await provisioner.spawn_procs(self.procs, self.with_gpus, name=name, role=self.role, **placement)
         try:
             actor = procs.spawn(name, self.actor_cls, *args, **kwargs)
-            await actor._bind_rank.call()
+            where = await actor._bind_rank.call()
+            if self.role in provisioner.roles:  # ranks on other hosts log there; say here where they landed
+                for _, w in where.items():
+                    print(f"forge_rl {name}: " + " ".join(f"{k}={v}" for k, v in w.items()), file=sys.stderr, flush=True)
+            if "hosts" in actor.sizes:  # one rank dimension, as on one host: results are indexed by procs=RANK
+                actor = actor.flatten("procs")
             await actor.setup.call()
         except BaseException:
             await provisioner.stop_procs(procs)

@@ -13,6 +13,7 @@ Usage:
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import types
 import typing
@@ -142,7 +143,8 @@ class OptimizerConfig:
 
 @dataclass
 class TrainerConfig:
-    procs: int = 1  # ranks; > 1 shards with FSDP2
+    procs: int = 1  # ranks per host; > 1 in all shards with FSDP2
+    hosts: int = 1  # hosts the trainer mesh spans (cluster.workers or cluster.kubernetes)
     micro_batch_size: int = 32  # sequences per forward/backward on one rank (memory vs speed)
     max_steps: int = 200
     checkpoint_every: int = 25  # steps; 0 disables (the last step is checkpointed too)
@@ -150,21 +152,22 @@ class TrainerConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
     def check(self, key):
-        _positive(self, key, "procs", "micro_batch_size", "max_steps", "timeout_s")
+        _positive(self, key, "procs", "hosts", "micro_batch_size", "max_steps", "timeout_s")
         _non_negative(self, key, "checkpoint_every")
 
 
 @dataclass
 class GeneratorConfig:
     num_replicas: int = 1
-    procs: int = 1  # tensor-parallel ranks per replica
+    procs: int = 1  # tensor-parallel ranks per replica (on one host)
+    hosts: int = 1  # hosts the replicas are spread over: replica i runs on host i % hosts
     max_model_len: int = 512
     gpu_memory_utilization: float = 0.05  # on CPU: share of host memory for the KV cache
     weight_sync: Literal["auto", "shm", "broadcast", "store"] = "auto"  # how weights travel (weight_sync.py)
     partial_rollouts: bool = False  # True: a weight update pauses running requests, false: waits for them
 
     def check(self, key):
-        _positive(self, key, "num_replicas", "procs", "max_model_len")
+        _positive(self, key, "num_replicas", "procs", "hosts", "max_model_len")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"{key}.gpu_memory_utilization: expected in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -172,9 +175,10 @@ class GeneratorConfig:
 @dataclass
 class ReferenceConfig:
     num_replicas: int = 1
+    hosts: int = 1  # hosts the replicas are spread over: replica i runs on host i % hosts
 
     def check(self, key):
-        _positive(self, key, "num_replicas")
+        _positive(self, key, "num_replicas", "hosts")
 
 
 @dataclass
@@ -202,6 +206,38 @@ class EvalConfig:
 
 
 @dataclass
+class KubernetesConfig:
+    namespace: str = "forge-rl"  # where the worker pods of k8s/ run
+    timeout_s: int = 600  # wait this long for every role's worker pods to be Ready
+
+    def check(self, key):
+        _positive(self, key, "timeout_s")
+
+
+@dataclass
+class ClusterConfig:
+    """Where the trainer, generator and reference run (docs/multihost.md). Neither key set: this host only."""
+
+    workers: list[str] = field(default_factory=list)  # tcp://host:port of `python -m forge_rl.worker` processes
+    kubernetes: Optional[KubernetesConfig] = None  # or worker pods found by monarch.job.kubernetes.KubernetesJob
+    # Monarch's TcpWithHostname / TcpWithLocalhost; auto: hostname, unless this host's name is loopback only
+    transport: Literal["auto", "hostname", "localhost"] = "auto"
+
+    @property
+    def mode(self) -> str:
+        return "workers" if self.workers else "kubernetes" if self.kubernetes else "local"
+
+    def check(self, key):
+        if self.workers and self.kubernetes:
+            raise ConfigError(f"{key}: set cluster.workers or cluster.kubernetes, not both")
+        for worker in self.workers:
+            if not re.fullmatch(r"tcp://[^:/\s]+:\d+", worker):
+                raise ConfigError(f"{key}.workers: {worker!r} is not of the form tcp://host:port")
+        if len(set(self.workers)) != len(self.workers):
+            raise ConfigError(f"{key}.workers: a worker is listed twice")
+
+
+@dataclass
 class LoggingConfig:
     tensorboard: bool = True
     wandb_project: Optional[str] = None  # set to log to Weights & Biases
@@ -226,6 +262,15 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def check(self, key):
+        roles = {"trainer": self.trainer.hosts, "generator": self.generator.hosts, "reference": self.reference.hosts}
+        for role, hosts in roles.items():
+            if hosts > 1 and self.cluster.mode == "local":
+                raise ConfigError(f"{role}.hosts: {hosts} hosts need cluster.workers or cluster.kubernetes")
+            if self.cluster.workers and hosts > len(self.cluster.workers):
+                raise ConfigError(f"{role}.hosts: {hosts}, but cluster.workers lists {len(self.cluster.workers)}")
 
 
 def _positive(section, key, *names):
@@ -340,6 +385,10 @@ def _convert(tp, value, key: str):
         if value not in args:
             raise ConfigError(f"{key}: expected one of {', '.join(map(repr, args))}, got {value!r}")
         return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a section (mapping), got {value!r}")

@@ -52,6 +52,7 @@ from forge_rl.envs.client import EnvSession, EpisodeAborted, env_url
 from forge_rl.generator import Generator
 from forge_rl.metrics import MetricsLogger, plot_curves
 from forge_rl.envs.client import free_port
+from forge_rl.provisioner import get_provisioner
 from forge_rl.reference import ReferenceModel
 from forge_rl.replay_buffer import ReplayBufferActor
 from forge_rl.rollout import Conversation
@@ -590,17 +591,24 @@ async def start(cfg: RunConfig, game, url: str) -> Run:
     model_path = prepare_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     allowed = answer_token_ids(game, tokenizer) if cfg.sampling.constrained else None
-    gpus = torch.cuda.is_available()
-    # Every mesh is on this host today; multi-host placement passes same_host=False and real addresses.
+    hosts = {"trainer": cfg.trainer.hosts, "generator": cfg.generator.hosts}
+    if cfg.grpo.kl_coef > 0:
+        hosts["reference"] = cfg.reference.hosts
+    await get_provisioner().use_cluster(cfg.cluster, hosts)  # a no-op unless cluster.workers/kubernetes is set
+    gpus = get_provisioner().has_gpus()  # this host's, or the workers' (a controller pod may have none)
+    local, mode = cfg.cluster.mode == "local", cfg.generator.weight_sync
+    if not local and mode in ("shm", "broadcast"):  # the broadcast group is formed on this host's addresses only
+        raise ConfigError(f"generator.weight_sync: {mode} is not wired to cluster placement yet; use auto or store")
     weights_bytes = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
-    sync = weight_sync.choose(cfg.generator.weight_sync, same_host=True, nbytes=weights_bytes)
+    sync = weight_sync.choose(mode if local else "store", same_host=local, nbytes=weights_bytes)
     logger.info("weight sync: %s (generator.weight_sync: %s)", sync, cfg.generator.weight_sync)
     await store.start()
     policy, trainer, buffer, reference = await start_all(  # one that fails stops the others
-        Generator.options(procs=cfg.generator.procs, with_gpus=gpus, num_replicas=cfg.generator.num_replicas).as_service(
-            model_path, cfg.model.dtype, cfg.generator, cfg.seed
-        ),
-        Trainer.options(procs=cfg.trainer.procs, with_gpus=gpus).as_actor(
+        Generator.options(
+            procs=cfg.generator.procs, with_gpus=gpus, num_replicas=cfg.generator.num_replicas,
+            hosts=cfg.generator.hosts, role="generator",
+        ).as_service(model_path, cfg.model.dtype, cfg.generator, cfg.seed),
+        Trainer.options(procs=cfg.trainer.procs, with_gpus=gpus, hosts=cfg.trainer.hosts, role="trainer").as_actor(
             model_path, cfg.grpo, cfg.trainer.optimizer, cfg.trainer.max_steps, cfg.model.dtype,
             micro_batch_size=cfg.trainer.micro_batch_size, allowed_token_ids=allowed, temperature=cfg.sampling.temperature,
             weight_sync=sync,
@@ -641,26 +649,36 @@ async def start(cfg: RunConfig, game, url: str) -> Run:
 async def _maybe_reference(cfg: RunConfig, model_path: str, gpus: bool, allowed: list[int] | None):
     if cfg.grpo.kl_coef <= 0:
         return None
-    return await ReferenceModel.options(num_replicas=cfg.reference.num_replicas, with_gpus=gpus).as_service(
+    return await ReferenceModel.options(
+        num_replicas=cfg.reference.num_replicas, with_gpus=gpus, hosts=cfg.reference.hosts, role="reference"
+    ).as_service(
         model_path, cfg.model.dtype, allowed_token_ids=allowed, temperature=cfg.sampling.temperature
     )
 
 
 async def shutdown(run: Run | None) -> None:
-    """Stop every actor and its processes (also on Ctrl-C), so no process outlives the run."""
-    if run is None:
-        await store.stop()
-        return
-    for task in (run.policy.stop(), stop(run.trainer), stop(run.buffer), run.reference.stop() if run.reference else None):
-        if task is not None:
-            try:
-                await task
-            except Exception as e:
-                logger.warning("while shutting down: %s", e)
+    """Stop every actor and its processes (also on Ctrl-C), so no process outlives the run.
+
+    On a cluster, a host that died first gets named, with the roles it ran (the error that stopped the
+    run, a Monarch SupervisionError, follows).
+    """
+    provisioner = get_provisioner()
+    lost = [f"{h.worker} ({h.address}), which ran {', '.join(h.running.values()) or 'nothing'}" for h in await provisioner.lost_hosts()]
+    if run is not None:
+        for task in (run.policy.stop(), stop(run.trainer), stop(run.buffer), run.reference.stop() if run.reference else None):
+            if task is not None:
+                try:
+                    await task
+                except Exception as e:
+                    logger.warning("while shutting down: %s", e)
     await store.stop()
     weight_sync.remove_orphaned_buffers()
-    await run.sessions.close()
-    run.metrics.close()
+    await provisioner.stop()
+    if run is not None:
+        await run.sessions.close()
+        run.metrics.close()
+    for host in lost:
+        print(f"forge_rl: lost host {host}. The run stopped; resume=true continues from its last checkpoint", file=sys.stderr)
 
 
 def console_to_log(run_dir: Path) -> Path:

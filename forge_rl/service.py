@@ -92,7 +92,7 @@ class Service:
                 r.procs = r.actor = None
 
     async def _spawn(self, replica: Replica, restarting: bool = False) -> None:
-        replica.procs, replica.actor = await self.launcher.spawn_mesh(*self.args, **self.kwargs)
+        replica.procs, replica.actor = await self.launcher.spawn_mesh(*self.args, replica=replica.index, **self.kwargs)
         if restarting and self.after_restart is not None:
             await self.after_restart(replica)
         replica.healthy = True

