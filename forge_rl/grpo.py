@@ -94,7 +94,7 @@ class SessionPool:
 
 @dataclass
 class GameResult:
-    episode: Episode | None  # None when the game had no decision or was aborted
+    episodes: list[Episode]  # none when the game had no decision or was aborted; a chat agent's may be several
     reward: float
     invalid: bool  # ended by an answer that was neither HIT nor STAND
     aborted: bool = False  # the environment session was lost and could not be restored
@@ -114,6 +114,7 @@ class Run:
     reference: object | None  # Service of ReferenceModels (kl_coef > 0)
     metrics: MetricsLogger
     sessions: SessionPool
+    chat_server: object = None  # chat-agent apps: the task starting forge_rl.chat_server.ChatServer (forge_rl/agents.py)
     version: int = 0
     step: int = 0
     next_seed: int = 0
@@ -256,23 +257,32 @@ async def play_game(
                 observation = (await session.step(action)).observation
         except EpisodeAborted as e:
             logger.warning("game on seed %d dropped: %s", seed, e)
-            return GameResult(None, 0.0, False, aborted=True)
+            return GameResult([], 0.0, False, aborted=True)
     reward = game.reward(observation, invalid, cfg.rollout.invalid_action_penalty)
-    episode = conversation.to_episode(reward, group_id) if conversation.versions else None
-    return GameResult(episode, reward, invalid)
+    episodes = [conversation.to_episode(reward, group_id)] if conversation.versions else []
+    return GameResult(episodes, reward, invalid)
+
+
+def player(run: Run):
+    """play_game, or for a chat-agent app (one with run_agent) forge_rl.agents.play_agent: same arguments and result."""
+    if hasattr(run.game, "run_agent"):
+        from forge_rl.agents import play_agent
+
+        return play_agent
+    return play_game
 
 
 async def play_group(run: Run, seed: int) -> list[Episode] | None:
     """G games dealt from one seed: the group GRPO compares (same cards, different decisions)."""
     shared = SharedRequests(run.generate, run.cfg.grpo.group_size, sampling(run.cfg, run.allowed_token_ids))
     results = await asyncio.gather(
-        *(play_game(run, seed, f"seed{seed}", shared) for _ in range(run.cfg.grpo.group_size))
+        *(player(run)(run, seed, f"seed{seed}", shared) for _ in range(run.cfg.grpo.group_size))
     )
     run.episodes_played += len(results)
     run.aborted_games += sum(r.aborted for r in results)
     run.recent = (run.recent + [(r.reward, r.invalid) for r in results if not r.aborted])[-2000:]
-    episodes = [r.episode for r in results if r.episode is not None]
-    return episodes if len(episodes) == len(results) else None  # a group with a dropped game is not comparable
+    episodes = [e for r in results for e in r.episodes]
+    return episodes if all(r.episodes for r in results) else None  # a group with a dropped game is not comparable
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -421,9 +431,9 @@ async def evaluate(run: Run) -> dict[str, float]:
     cfg = run.cfg.eval
     greedy = GreedyAnswers(run.generate, sampling(run.cfg, run.allowed_token_ids, greedy=True))
     results = await asyncio.gather(
-        *(play_game(run, s, f"eval{s}", greedy) for s in range(cfg.seed, cfg.seed + cfg.num_games))
+        *(player(run)(run, s, f"eval{s}", greedy) for s in range(cfg.seed, cfg.seed + cfg.num_games))
     )
-    done = [r for r in results if not r.aborted] or [GameResult(None, 0.0, False)]
+    done = [r for r in results if not r.aborted] or [GameResult([], 0.0, False)]
     n, ev = len(done), sum(r.reward for r in done) / len(done)
     return {
         "eval/ev": ev,
@@ -501,7 +511,7 @@ def load_app_module(name: str, constrained: bool):
         module = importlib.import_module(name)
     except ImportError as e:
         raise SystemExit(f"config error: app_module {name!r} cannot be imported: {e}") from None
-    needed = ["render_prompt", "parse_action", "reward"] + (["ACTIONS"] if constrained else [])
+    needed = (["run_agent"] if hasattr(module, "run_agent") else ["render_prompt", "parse_action", "reward"]) + (["ACTIONS"] if constrained else [])
     missing = [n for n in needed if not hasattr(module, n)]
     if missing:
         raise SystemExit(f"config error: app_module {name!r} lacks {', '.join(missing)}")
@@ -571,6 +581,10 @@ async def shutdown(run: Run | None) -> None:
                 await task
             except Exception as e:
                 logger.warning("while shutting down: %s", e)
+    if run.chat_server is not None:
+        from forge_rl.agents import stop_chat_server
+
+        await stop_chat_server(run)
     await store.stop()
     await run.sessions.close()
     run.metrics.close()

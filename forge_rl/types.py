@@ -21,6 +21,9 @@ class Episode:
     reward: float  # the episode's total reward
     policy_version: int  # the OLDEST policy version that sampled any token of it (staleness is judged by it)
     group_id: str  # shared by all episodes of one prompt/seed
+    # A chat-agent rollout whose record was sealed into several segments gives one Episode per segment,
+    # all with its rollout_id and reward; group advantages count each rollout once. "": its own rollout.
+    rollout_id: str = ""
 
     def __post_init__(self):
         if not (len(self.tokens) == len(self.loss_mask) == len(self.behaviour_logprobs)):
