@@ -65,6 +65,7 @@ async def _start(run) -> ChatServer:
     async def generate(prompt_ids, params, session):
         return await run.policy.route("generate", prompt_ids, params, session=session)
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the agents' SDKs would log a line per request
     cfg = run.cfg
     server = ChatServer(
         run.tokenizer, generate, sampling(cfg, run.allowed_token_ids), sampling(cfg, run.allowed_token_ids, greedy=True),
