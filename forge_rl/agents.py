@@ -76,8 +76,9 @@ async def _start(run) -> ChatServer:
 
 
 async def stop_chat_server(run) -> None:
-    if run.chat_server is not None and run.chat_server.done() and not run.chat_server.exception():
-        await run.chat_server.result().stop()
+    task = run.chat_server
+    if task is not None and task.done() and not task.cancelled() and task.exception() is None:
+        await task.result().stop()
     run.chat_server = None
 
 

@@ -169,6 +169,32 @@ class ChatServerProcess:
         return httpx.post(f"{self.url}/s/{rollout_id}/end", json={"reward": reward}, timeout=30).json()
 
 
+_clients: list = []  # SDK clients opened by a test, closed by run() before its event loop ends
+
+
+def openai_client(base_url: str, **kwargs) -> AsyncOpenAI:
+    _clients.append(AsyncOpenAI(base_url=base_url, api_key="any", **kwargs))
+    return _clients[-1]
+
+
+def anthropic_client(base_url: str, **kwargs) -> AsyncAnthropic:
+    _clients.append(AsyncAnthropic(base_url=base_url, api_key="any", **kwargs))
+    return _clients[-1]
+
+
+def run(coroutine):
+    """asyncio.run, closing the SDK clients the coroutine opened."""
+
+    async def main():
+        try:
+            return await coroutine
+        finally:
+            while _clients:
+                await _clients.pop().close()
+
+    return asyncio.run(main())
+
+
 def sampled_runs(segment: dict) -> list[list[int]]:
     """The segment's sampled ids, one list per reply."""
     runs, previous = [], False
@@ -187,7 +213,7 @@ def sampled_runs(segment: dict) -> list[list[int]]:
 async def openai_conversation(server, rollout_id, turns, stream=False, **extra) -> list[str]:
     """System prompt, then each turn: the reply is kept as the agent got it; the last turn is two
     user messages in a row (every message after the reply counts, not only the last one)."""
-    client = AsyncOpenAI(base_url=server.base_url(rollout_id), api_key="any")
+    client = openai_client(server.base_url(rollout_id))
     messages, replies = [{"role": "system", "content": SYSTEM}], []
     for i, turn in enumerate(turns):
         messages += [{"role": "user", "content": t} for t in ([turn, "Say HIT"] if i == len(turns) - 1 and i else [turn])]
@@ -198,12 +224,11 @@ async def openai_conversation(server, rollout_id, turns, stream=False, **extra) 
             content = (await client.chat.completions.create(model="policy", messages=messages, **extra)).choices[0].message.content
         replies.append(content or "")
         messages.append({"role": "assistant", "content": content})
-    await client.close()
     return replies
 
 
 async def anthropic_conversation(server, rollout_id, turns) -> list[str]:
-    client = AsyncAnthropic(base_url=server.anthropic_base_url(rollout_id), api_key="any")
+    client = anthropic_client(server.anthropic_base_url(rollout_id))
     messages, replies = [], []
     for i, turn in enumerate(turns):
         messages += [{"role": "user", "content": t} for t in ([turn, "Say HIT"] if i == len(turns) - 1 and i else [turn])]
@@ -211,7 +236,6 @@ async def anthropic_conversation(server, rollout_id, turns) -> list[str]:
         text = "".join(b.text for b in reply.content if b.type == "text")
         replies.append(text)
         messages.append({"role": "assistant", "content": text})
-    await client.close()
     return replies
 
 
@@ -252,11 +276,11 @@ def check_three_turn_trajectory(tokenizer, trajectory: dict, replies: list[str])
 def check_three_turns_and_anthropic(server, tokenizer):
     """Three turns through AsyncOpenAI: one segment of exact ids; the same conversation through AsyncAnthropic: the identical trajectory."""
     first, second = server.open(greedy=True), server.open(greedy=True)  # greedy: both SDKs get the same replies
-    replies = asyncio.run(openai_conversation(server, first, TURNS))
+    replies = run(openai_conversation(server, first, TURNS))
     segment = check_three_turn_trajectory(tokenizer, server.trajectory(first), replies)
     assert len(sampled_runs(segment)) == 3
 
-    assert asyncio.run(anthropic_conversation(server, second, TURNS)) == replies
+    assert run(anthropic_conversation(server, second, TURNS)) == replies
     other = server.trajectory(second)["segments"]
     assert [s["token_ids"] for s in other] == [segment["token_ids"]]
     assert other[0]["sampled"] == segment["sampled"] and other[0]["versions"] == segment["versions"]
@@ -268,16 +292,16 @@ def check_compaction(server):
     compacted, plain = server.open(), server.open()
 
     async def agent():
-        client = AsyncOpenAI(base_url=server.base_url(compacted), api_key="any")
+        client = openai_client(server.base_url(compacted))
         messages = [{"role": "user", "content": TURNS[0]}]
         reply = (await client.chat.completions.create(model="policy", messages=messages)).choices[0].message.content
         messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": TURNS[1]}]
         await client.chat.completions.create(model="policy", messages=messages)
         # the agent compacts: its history is now a summary and the new question
         await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "a summary"}, messages[-1]])
-        await AsyncOpenAI(base_url=server.base_url(plain), api_key="any").chat.completions.create(model="policy", messages=messages[:1])
+        await openai_client(server.base_url(plain)).chat.completions.create(model="policy", messages=messages[:1])
 
-    asyncio.run(agent())
+    run(agent())
     segments = server.end(compacted, 1.0)["segments"]
     assert [s["sealed_reason"] for s in segments] == ["compaction", None]
     assert [len(sampled_runs(s)) for s in segments] == [2, 1]
@@ -296,13 +320,13 @@ def check_assistant_edited(server):
     rollout = server.open()
 
     async def agent():
-        client = AsyncOpenAI(base_url=server.base_url(rollout), api_key="any")
+        client = openai_client(server.base_url(rollout))
         messages = [{"role": "user", "content": TURNS[0]}]
         reply = (await client.chat.completions.create(model="policy", messages=messages)).choices[0].message.content
         messages += [{"role": "assistant", "content": reply + " STAND"}, {"role": "user", "content": TURNS[1]}]
         await client.chat.completions.create(model="policy", messages=messages)
 
-    asyncio.run(agent())
+    run(agent())
     assert [s["sealed_reason"] for s in server.trajectory(rollout)["segments"]] == ["assistant_edited", None]
 
 
@@ -311,19 +335,19 @@ def check_retry_and_streaming(server):
     plain, streamed, retried = server.open(greedy=True), server.open(greedy=True), server.open()
 
     async def retry():
-        client = AsyncOpenAI(base_url=server.base_url(retried), api_key="any")
+        client = openai_client(server.base_url(retried))
         messages = [{"role": "user", "content": TURNS[0]}]
         first = await client.chat.completions.create(model="policy", messages=messages)
         again = await client.chat.completions.create(model="policy", messages=messages, stream=True)
         return first.choices[0].message.content, "".join([c.choices[0].delta.content or "" async for c in again if c.choices])
 
-    first, again = asyncio.run(retry())
+    first, again = run(retry())
     assert first == again
     (segment,) = server.trajectory(retried)["segments"]
     assert len(sampled_runs(segment)) == 1, "a retry must not sample again"
 
-    replies = asyncio.run(openai_conversation(server, plain, TURNS[:2]))
-    assert asyncio.run(openai_conversation(server, streamed, TURNS[:2], stream=True, stream_options={"include_usage": True})) == replies
+    replies = run(openai_conversation(server, plain, TURNS[:2]))
+    assert run(openai_conversation(server, streamed, TURNS[:2], stream=True, stream_options={"include_usage": True})) == replies
     (one,), (other,) = server.trajectory(streamed)["segments"], server.trajectory(plain)["segments"]
     assert one["token_ids"] == other["token_ids"] and one["sampled"] == other["sampled"]
     torch.testing.assert_close(torch.tensor(one["logprobs"]), torch.tensor(other["logprobs"]))

@@ -13,10 +13,9 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from anthropic import AsyncAnthropic
 from anthropic import BadRequestError as AnthropicBadRequest
 from anthropic import NotFoundError as AnthropicNotFound
-from openai import AsyncOpenAI, BadRequestError, NotFoundError
+from openai import BadRequestError, NotFoundError
 from transformers import AutoTokenizer
 
 from forge_rl.tiny_model import build_tiny_model
@@ -26,11 +25,14 @@ from tests.chat_helpers import (
     TOOL_CALL_JSON,
     TURNS,
     ChatServerProcess,
+    anthropic_client,
     build_scripted_model,
     check_assistant_edited,
     check_compaction,
     check_retry_and_streaming,
     check_three_turns_and_anthropic,
+    openai_client,
+    run,
     sampled_runs,
 )
 
@@ -80,7 +82,7 @@ def test_sampling_comes_from_the_run_config_not_the_caller(tiny):
     rollouts = [server.open() for _ in range(6)]
 
     async def ask(rollout):
-        client = AsyncOpenAI(base_url=server.base_url(rollout), api_key="any")
+        client = openai_client(server.base_url(rollout))
         messages = [{"role": "user", "content": TURNS[0]}]
         reply = await client.chat.completions.create(model="policy", messages=messages, temperature=0.01, top_p=0.01, max_tokens=2)
         return reply.choices[0].message.content
@@ -88,7 +90,7 @@ def test_sampling_comes_from_the_run_config_not_the_caller(tiny):
     async def ask_all():
         return await asyncio.gather(*(ask(r) for r in rollouts))
 
-    replies = asyncio.run(ask_all())
+    replies = run(ask_all())
     assert len(set(replies)) > 1, "temperature 0.01 from the caller must not make the policy greedy"
     assert all(len(sampled_runs(server.trajectory(r)["segments"][0])[0]) == 6 for r in rollouts), "max_tokens is the config's"
 
@@ -98,8 +100,8 @@ def test_bad_requests_get_protocol_errors_and_leave_the_record_unharmed(tiny):
     messages = [{"role": "user", "content": TURNS[0]}]
 
     async def agent():
-        client = AsyncOpenAI(base_url=server.base_url(rollout), api_key="any", max_retries=0)
-        anthropic = AsyncAnthropic(base_url=server.anthropic_base_url(rollout), api_key="any", max_retries=0)
+        client = openai_client(server.base_url(rollout), max_retries=0)
+        anthropic = anthropic_client(server.anthropic_base_url(rollout), max_retries=0)
         reply = (await client.chat.completions.create(model="policy", messages=messages)).choices[0].message.content
         before = server.trajectory(rollout)
         errors = []
@@ -129,7 +131,7 @@ def test_bad_requests_get_protocol_errors_and_leave_the_record_unharmed(tiny):
         errors.append(e.value.body)
         return errors
 
-    not_served, too_long, ended = asyncio.run(agent())
+    not_served, too_long, ended = run(agent())
     assert not_served["code"] == "model_not_found" and too_long["code"] == "context_length_exceeded"
     assert ended["code"] == "rollout_ended"
 
@@ -166,7 +168,7 @@ def test_tool_calls_round_trip_through_the_openai_sdk(scripted):
 
     async def first_reply():
         rollout = server.open()
-        client = AsyncOpenAI(base_url=server.base_url(rollout), api_key="any")
+        client = openai_client(server.base_url(rollout))
         messages = [{"role": "user", "content": "what is six times seven"}]
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=[RUN_PYTHON])
         return (rollout, client, messages, reply) if reply.choices[0].message.tool_calls else None
@@ -181,7 +183,7 @@ def test_tool_calls_round_trip_through_the_openai_sdk(scripted):
         await client.chat.completions.create(model="policy", messages=messages, tools=[RUN_PYTHON], stream=True)
         return rollout
 
-    check_tool_round_trip(scripted, asyncio.run(agent()))
+    check_tool_round_trip(scripted, run(agent()))
 
 
 def test_tool_calls_round_trip_through_the_anthropic_sdk(scripted):
@@ -190,7 +192,7 @@ def test_tool_calls_round_trip_through_the_anthropic_sdk(scripted):
 
     async def first_reply():
         rollout = server.open()
-        client = AsyncAnthropic(base_url=server.anthropic_base_url(rollout), api_key="any")
+        client = anthropic_client(server.anthropic_base_url(rollout))
         messages = [{"role": "user", "content": "what is six times seven"}]
         reply = await client.messages.create(model="policy", max_tokens=64, messages=messages, tools=[tool])
         return (rollout, client, messages, reply) if reply.stop_reason == "tool_use" else None
@@ -208,7 +210,7 @@ def test_tool_calls_round_trip_through_the_anthropic_sdk(scripted):
             await stream.get_final_message()
         return rollout
 
-    prompt = check_tool_round_trip(scripted, asyncio.run(agent()))
+    prompt = check_tool_round_trip(scripted, run(agent()))
     # the conversation's first prompt is the template's render with the tools, as through the OpenAI SDK
     first = scripted.tokenizer.apply_chat_template(
         [{"role": "user", "content": "what is six times seven"}], tools=[RUN_PYTHON], tokenize=False, add_generation_prompt=True
@@ -222,7 +224,7 @@ def test_a_template_that_drops_earlier_think_blocks_seals_the_segment(scripted):
 
     async def first_reply():
         rollout = server.open()
-        client = AsyncOpenAI(base_url=server.base_url(rollout), api_key="any")
+        client = openai_client(server.base_url(rollout))
         messages = [{"role": "user", "content": "hit or stand"}]
         reply = (await client.chat.completions.create(model="policy", messages=messages)).choices[0].message.content
         return (rollout, client, messages, reply) if reply == THINK_TEXT else None
@@ -233,7 +235,7 @@ def test_a_template_that_drops_earlier_think_blocks_seals_the_segment(scripted):
         await client.chat.completions.create(model="policy", messages=messages)
         return rollout
 
-    segments = server.trajectory(asyncio.run(agent()))["segments"]
+    segments = server.trajectory(run(agent()))["segments"]
     assert [s["sealed_reason"] for s in segments] == ["template_rewrite", None]
     # the new segment is the rewritten history rendered whole: the earlier turn without its <think> block
     text = scripted.tokenizer.decode(segments[1]["token_ids"][: segments[1]["sampled"].index(True)])
@@ -266,7 +268,7 @@ def test_the_code_agent_runs_its_tool_calls_in_the_code_interpreter(scripted):
         raise AssertionError("the policy never called the tool")
 
     with launch_local("forge_rl.envs.code_interpreter:CodeInterpreterEnvironment", timeout_s=300) as interpreter:
-        segment = asyncio.run(agents(interpreter.url))
+        segment = run(agents(interpreter.url))
     start = segment["sampled"].index(False, segment["sampled"].index(True))
     added = segment["token_ids"][start : segment["sampled"].index(True, start)]
     result = "\n<|im_start|>user\n<tool_response>\n42\n\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
