@@ -238,6 +238,21 @@ class ClusterConfig:
 
 
 @dataclass
+class ChatConfig:
+    """The reverse chat server (forge_rl/chat_server.py) that chat-agent apps (`run_agent`) talk to."""
+
+    model_name: str = "policy"  # the model name requests must ask for (GET /v1/models lists it)
+    tool_parser: Optional[str] = None  # vLLM tool parser for the model's tool-call format (hermes, pythonic, ...)
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    agent_timeout_s: float = 300.0  # one agent run (run_agent) before it is cancelled
+
+    def check(self, key):
+        _positive(self, key, "agent_timeout_s")
+        _non_negative(self, key, "port")
+
+
+@dataclass
 class LoggingConfig:
     tensorboard: bool = True
     wandb_project: Optional[str] = None  # set to log to Weights & Biases
@@ -261,6 +276,7 @@ class RunConfig:
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    chat: ChatConfig = field(default_factory=ChatConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 

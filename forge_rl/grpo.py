@@ -104,7 +104,7 @@ class EnvironmentLost(RuntimeError):
 
 @dataclass
 class GameResult:
-    episode: Episode | None  # None when the game had no decision or was aborted
+    episodes: list[Episode]  # none when the game had no decision or was aborted; a chat agent's may be several
     reward: float
     invalid: bool  # ended by an answer the app's parse_action refused
     aborted: bool = False  # the environment session was lost and could not be restored
@@ -125,6 +125,7 @@ class Run:
     metrics: MetricsLogger
     sessions: SessionPool
     answer_length: int = 1  # constrained decoding: tokens per answer (1: one of the app's ACTIONS)
+    chat_server: object = None  # chat-agent apps: the task starting forge_rl.chat_server.ChatServer (forge_rl/agents.py)
     version: int = 0
     step: int = 0
     next_seed: int = 0
@@ -288,10 +289,19 @@ async def play_game(
         except EpisodeAborted as e:
             logger.warning("game on seed %d dropped: %s", seed, e)
             run.last_abort = str(e)
-            return GameResult(None, 0.0, False, aborted=True)
+            return GameResult([], 0.0, False, aborted=True)
     reward = game.reward(observation, invalid, cfg.rollout.invalid_action_penalty)
-    episode = conversation.to_episode(reward, group_id) if conversation.versions else None
-    return GameResult(episode, reward, invalid)
+    episodes = [conversation.to_episode(reward, group_id)] if conversation.versions else []
+    return GameResult(episodes, reward, invalid)
+
+
+def player(run: Run):
+    """play_game, or for a chat-agent app (one with run_agent) forge_rl.agents.play_agent: same arguments and result."""
+    if hasattr(run.game, "run_agent"):
+        from forge_rl.agents import play_agent
+
+        return play_agent
+    return play_game
 
 
 async def play_group(run: Run, seed: int) -> list[Episode] | None:
@@ -300,7 +310,7 @@ async def play_group(run: Run, seed: int) -> list[Episode] | None:
         run.generate, run.cfg.grpo.group_size, sampling(run.cfg, run.allowed_token_ids, answer_length=run.answer_length)
     )
     results = await asyncio.gather(
-        *(play_game(run, seed, f"seed{seed}", shared) for _ in range(run.cfg.grpo.group_size))
+        *(player(run)(run, seed, f"seed{seed}", shared) for _ in range(run.cfg.grpo.group_size))
     )
     run.episodes_played += len(results)
     run.aborted_games += sum(r.aborted for r in results)
@@ -311,8 +321,8 @@ async def play_group(run: Run, seed: int) -> list[Episode] | None:
             "the environment server is gone; check env.url / env.server"
         )
     run.recent = (run.recent + [(r.reward, r.invalid) for r in results if not r.aborted])[-2000:]
-    episodes = [r.episode for r in results if r.episode is not None]
-    return episodes if len(episodes) == len(results) else None  # a group with a dropped game is not comparable
+    episodes = [e for r in results for e in r.episodes]
+    return episodes if all(r.episodes for r in results) else None  # a group with a dropped game is not comparable
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -502,7 +512,7 @@ async def evaluate(run: Run) -> dict[str, float]:
     greedy = GreedyAnswers(run.generate, sampling(run.cfg, run.allowed_token_ids, greedy=True, answer_length=run.answer_length))
     reset_args = eval_reset_args(run.cfg)
     results = await asyncio.gather(
-        *(play_game(run, s, f"eval{s}", greedy, reset_args) for s in range(cfg.seed, cfg.seed + cfg.num_games))
+        *(player(run)(run, s, f"eval{s}", greedy, reset_args) for s in range(cfg.seed, cfg.seed + cfg.num_games))
     )
     done = [r for r in results if not r.aborted]
     if not done:
@@ -575,7 +585,7 @@ def load_app_module(name: str, constrained: bool):
         module = importlib.import_module(name)
     except ImportError as e:
         raise ConfigError(f"app_module {name!r} cannot be imported: {e}") from None
-    needed = ["render_prompt", "parse_action", "reward"]
+    needed = ["run_agent"] if hasattr(module, "run_agent") else ["render_prompt", "parse_action", "reward"]
     missing = [n for n in needed if not hasattr(module, n)]
     if constrained and not (hasattr(module, "ACTIONS") or hasattr(module, "ANSWER_VOCABULARY")):
         missing.append("ACTIONS or ANSWER_VOCABULARY (sampling.constrained)")
@@ -671,6 +681,10 @@ async def shutdown(run: Run | None) -> None:
                     await task
                 except Exception as e:
                     logger.warning("while shutting down: %s", e)
+    if run is not None and run.chat_server is not None:
+        from forge_rl.agents import stop_chat_server
+
+        await stop_chat_server(run)
     await store.stop()
     weight_sync.remove_orphaned_buffers()
     await provisioner.stop()

@@ -43,6 +43,14 @@ def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: flo
     return centred
 
 
+def rollout_advantages(rewards: torch.Tensor, rollout_index: torch.Tensor, normalize_std: bool = True) -> torch.Tensor:
+    """Advantages of one group's episodes when a rollout may span several (the sealed segments of a
+    chat-agent rollout): each rollout counts once in the group's mean and std, and every episode gets
+    its rollout's advantage. rewards [N], rollout_index [N] (0..R-1, equal for one rollout) -> [N]."""
+    per_rollout = torch.zeros(int(rollout_index.max()) + 1).scatter(0, rollout_index, rewards.float())  # [R]
+    return group_advantages(per_rollout, normalize_std)[rollout_index]
+
+
 # ---------------------------------------------------------------------------- per token
 
 

@@ -31,7 +31,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 from forge_rl import store
 from forge_rl.actor import ForgeActor
 from forge_rl.config import GRPOConfig, OptimizerConfig
-from forge_rl.loss import group_advantages, grpo_loss
+from forge_rl.loss import grpo_loss, rollout_advantages
 from forge_rl.titan_model import (
     autocast,
     build_model,
@@ -294,7 +294,9 @@ class Trainer(ForgeActor):
             by_group[e.group_id].append(i)
         for rows in by_group.values():
             rewards = torch.tensor([float(batch[i].reward) for i in rows])
-            t["advantages"][rows] = group_advantages(rewards, self.grpo.normalize_std)
+            rollouts = {}  # a rollout's segments (same rollout_id) count once; "" is an episode of its own
+            index = torch.tensor([rollouts.setdefault(batch[i].rollout_id or -i - 1, len(rollouts)) for i in rows])
+            t["advantages"][rows] = rollout_advantages(rewards, index, self.grpo.normalize_std)
         return t
 
     def _forward_loss(self, t: dict, rows: torch.Tensor, weight: float, denominator: float, by_age: dict):

@@ -24,6 +24,9 @@ class Episode:
     # [T] int64 the policy version that sampled each token, -1 where mask is 0. With partial rollouts one
     # answer can mix versions. None at construction: every sampled token by policy_version.
     token_versions: torch.Tensor | None = None
+    # A chat-agent rollout whose record was sealed into several segments gives one Episode per segment,
+    # all with its rollout_id and reward; group advantages count each rollout once. "": its own rollout.
+    rollout_id: str = ""
 
     def __post_init__(self):
         if self.token_versions is None:

@@ -11,6 +11,7 @@ from forge_rl.loss import (
     group_advantages,
     grpo_loss,
     kl_penalty,
+    rollout_advantages,
     seq_mean,
     token_entropy,
     token_logprobs,
@@ -27,6 +28,16 @@ def grpo(**loss_keys) -> GRPOConfig:
 
 def close(actual, expected, atol=1e-5):
     torch.testing.assert_close(torch.as_tensor(actual).float(), torch.as_tensor(expected).float(), atol=atol, rtol=0)
+
+
+def test_rollout_advantages_count_each_rollout_once():
+    # rows 0 and 1 are two segments of one rollout (reward 1); rollouts [1, 0, 0]: mean 1/3
+    rewards, rollout = torch.tensor([1.0, 1, 0, 0]), torch.tensor([0, 0, 1, 2])
+    close(rollout_advantages(rewards, rollout, normalize_std=False), [2 / 3, 2 / 3, -1 / 3, -1 / 3])
+    # GRPO: population std of [1,0,0] is sqrt(2)/3
+    close(rollout_advantages(rewards, rollout), [math.sqrt(2), math.sqrt(2), -1 / math.sqrt(2), -1 / math.sqrt(2)], atol=1e-4)
+    # one rollout per row is group_advantages itself
+    close(rollout_advantages(rewards, torch.arange(4)), group_advantages(rewards))
 
 
 def test_group_advantages_by_hand():
