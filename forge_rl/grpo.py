@@ -735,6 +735,7 @@ async def main(cfg: RunConfig) -> None:
         except (ValueError, ImportError) as e:
             raise ConfigError(f"env.server: {e}") from None
     dump(cfg, run_dir / "config.yaml")  # the resolved config, to reproduce the run
+    print(f"logs of every process (vLLM, Monarch): {run_dir / 'run.log'}")
     url, local_server = env_url(cfg.env.url, cfg.env.server, cfg.env.max_concurrent)
     run = None
     try:
@@ -772,7 +773,6 @@ if __name__ == "__main__":
     config = parse_cli()
     log_file = console_to_log(Path(config.run_dir))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    print(f"logs of every process (vLLM, Monarch): {log_file}")
     # SIGTERM (kubectl delete, timeout, a scheduler) stops the run like Ctrl-C: actors and engine processes
     # shut down. Left to its default it would kill this process alone and orphan vLLM's engine processes.
     # SIGINT is restored first: a run started in the background by a script inherits it ignored.
