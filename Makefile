@@ -5,7 +5,7 @@ CONFIG ?= configs/blackjack_tiny_cpu.yaml
 # The repository first, then whatever PYTHONPATH the user had (an app module of their own, say).
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: install train test bench clean
+.PHONY: install train test test-slow bench clean
 
 install: $(VENV)/.installed
 
@@ -16,8 +16,11 @@ $(VENV)/.installed: pyproject.toml scripts/install.sh
 train: install  ## the main job: GRPO on BlackJack with CONFIG (+ ARGS="key=value ...")
 	$(PYTHON) -m forge_rl.grpo --config $(CONFIG) $(ARGS)
 
-test: install  ## the whole suite (real Monarch, vLLM, TorchStore, OpenEnv servers on 127.0.0.1)
-	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+test: install  ## the suite (real Monarch, vLLM, TorchStore, OpenEnv servers on 127.0.0.1), long tests aside
+	$(PYTHON) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install  ## the long end-to-end tests: several engines, two hosts, the 135M model
+	$(PYTHON) -m pytest -q -m slow $(PYTEST_ARGS)
 
 bench: install  ## figures as ratios against same-run baselines (bench/engine.py runs the engine_*.py benches)
 	$(PYTHON) bench/envs.py

@@ -46,6 +46,7 @@ def test_tiny_config_trains_on_graded_submissions(tmp_path):
     assert "Resolved architecture" in log and "Resolved architecture" not in out and " INFO " not in out, out[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)  # three actor meshes start, one a vLLM engine: minutes on a busy 2-core machine
 def test_humaneval_config_multi_turn_episodes_on_the_tiny_model(tmp_path):
     overrides = [

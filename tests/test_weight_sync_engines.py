@@ -27,7 +27,7 @@ from forge_rl.envs.client import free_port
 from forge_rl.tiny_model import build_tiny_model
 from forge_rl.trainer import Trainer
 
-pytestmark = pytest.mark.timeout(1500)  # the shared fixture starts two engines and two trainers
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow]  # the shared fixture starts two engines and two trainers
 PROMPT = list(range(40, 60))
 GREEDY = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
 
