@@ -79,6 +79,7 @@ class Trainer(ForgeActor):
         if weight_sync not in ("shm", "broadcast", "store"):
             raise ValueError(f"Trainer: weight_sync must be shm, broadcast or store, got {weight_sync!r}")
         self.weight_sync = weight_sync
+        self.policy_version = 0  # the last version pushed (setup and load_checkpoint set it too)
 
     @endpoint
     async def setup(self) -> None:
