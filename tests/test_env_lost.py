@@ -1,0 +1,54 @@
+"""When the environment server is gone: an evaluation reports no evaluation, and training stops.
+
+A real BlackJack server on loopback plays one real reset, then is stopped (as a crashed pod would be).
+The games that follow find nothing at its address: each is aborted once its session's reconnect window
+runs out. No policy is needed, since no game gets as far as asking it.
+"""
+
+import asyncio
+
+import pytest
+
+from forge_rl import grpo
+from forge_rl.config import load_config
+from forge_rl.envs.client import EnvSession, launch_local
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def run_on(url: str) -> grpo.Run:
+    cfg = load_config(grpo.Path(__file__).resolve().parent.parent / "configs" / "blackjack_tiny_cpu.yaml")
+    cfg.eval.num_games = 8
+    game = grpo.load_app_module(cfg.app_module, cfg.sampling.constrained)
+    return grpo.Run(
+        cfg=cfg, game=game, tokenizer=None, allowed_token_ids=None, policy=None, trainer=None,
+        buffer=None, reference=None, metrics=None, sessions=grpo.SessionPool(url, 100, timeout_s=5.0),
+    )
+
+
+@pytest.fixture(scope="module")
+def dead_url():
+    with launch_local("forge_rl.envs.blackjack:BlackJackEnvironment", max_concurrent_envs=4) as server:
+        async def one_reset():
+            async with EnvSession(server.url) as session:
+                return (await session.reset(seed=1)).observation
+        assert "done" in asyncio.run(one_reset())  # the server answered
+    return server.url  # stopped on leaving the block: nothing listens there any more
+
+
+def test_an_evaluation_whose_games_all_aborted_reports_no_evaluation(dead_url):
+    run = run_on(dead_url)
+    values = asyncio.run(grpo.evaluate(run))
+    assert values == {"eval/games": 0}  # not eval/ev = 0.0 over "1 game"
+    assert "could not connect" in run.last_abort
+
+
+def test_training_stops_when_every_game_of_many_groups_is_aborted(dead_url):
+    run = run_on(dead_url)
+
+    async def twenty_groups():  # at once, as concurrent rollout workers play them
+        await asyncio.gather(*(grpo.play_group(run, seed) for seed in range(20)))
+
+    with pytest.raises(grpo.EnvironmentLost, match="every game of the last 20 groups was aborted"):
+        asyncio.run(twenty_groups())
+    assert run.aborted_games == 20 * run.cfg.grpo.group_size
