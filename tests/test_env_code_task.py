@@ -12,7 +12,7 @@ import pytest
 
 from forge_rl.envs.client import EnvError, EnvSession, launch_local
 from apps.coder.task import synthesize
-from forge_rl.envs.code_task import MAX_CODE_CHARS, humaneval_tasks, synth_task
+from forge_rl.envs.code_task import MAX_CODE_CHARS, compiles, graded, humaneval_tasks, synth_task
 from forge_rl.envs.sandbox import detect_isolation
 
 TIMEOUT_S = 2
@@ -159,3 +159,14 @@ def test_programs_cannot_find_the_tests(server):
         assert not found, found
     else:
         assert all(HE_DATA in line for line in found), found
+
+
+def test_a_program_that_does_not_compile_scores_0_without_a_sandboxed_run(tmp_path):
+    """Most of an untrained policy's answers are not Python ("3x+"): they fail every test, and the server
+    knows it from compiling them, which runs nothing. (No sandbox is passed: a run would raise.)"""
+    task = synth_task(5, family=1)
+    assert graded(None, task, "def f(x):\n    return 3x+\n") == (0, len(task.tests))
+    marker = tmp_path / "ran"
+    side_effect = f"open({str(marker)!r}, 'w').write('ran')\n@print\ndef f(x):\n    return x\n"
+    assert compiles(side_effect) and not marker.exists()  # compiled, not run
+    assert not compiles("x = 1\0") and not compiles("(" * 200_000)

@@ -183,6 +183,16 @@ def shared_sandbox() -> Sandbox:
 _GRADES: dict[tuple[str, str], tuple[int, int]] = {}  # (task id, program) -> (tests passed, tests total)
 
 
+def compiles(code: str) -> bool:
+    """Whether `code` is valid Python. Compiling runs none of it (no import, no call, no decorator), so the
+    server may do it outside the sandbox; the size of an action is bounded by CodeTaskAction."""
+    try:
+        compile(code, "<submission>", "exec", dont_inherit=True)
+        return True
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # ValueError: NUL bytes; the others: deep nesting
+        return False
+
+
 def graded(sandbox: Sandbox, task: Task, code: str) -> tuple[int, int]:
     """(tests passed, tests total) of `code` on `task`, remembered: the G games of a training group
     often submit the same answer, and a grading costs a sandboxed process (tens of ms) where a look-up
@@ -191,6 +201,8 @@ def graded(sandbox: Sandbox, task: Task, code: str) -> tuple[int, int]:
     key = (task.task_id, code)
     if key in _GRADES:
         return _GRADES[key]
+    if not compiles(code):  # passes no test, and costs no sandboxed run (most early answers of a policy)
+        return 0, len(task.tests)
     errors = grade(sandbox, code, task.entry_point, list(task.tests), task.setup)
     result = (sum(e is None for e in errors), len(errors))
     if not any(e and "timed out" in e for e in errors):
