@@ -22,7 +22,6 @@ import signal
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 from pathlib import Path
 
 import httpx
@@ -311,8 +310,7 @@ def check_compaction(server):
         return [Segment(**{k: s[k] for k in ("token_ids", "sampled", "logprobs", "versions")}).to_episode(trajectory["reward"], "g", rollout_id) for s in trajectory["segments"]]
 
     batch = episodes(server.end(plain, 0.0), plain) + episodes({"reward": 1.0, "segments": segments}, compacted)
-    trainer = SimpleNamespace(loss_config=SimpleNamespace(kl_coef=0.0), grpo=GRPOConfig(normalize_std=False))
-    advantages = Trainer._tensors(trainer, batch, None)["advantages"].tolist()
+    advantages = Trainer("unused", GRPOConfig(normalize_std=False))._tensors(batch, None)["advantages"].tolist()
     assert advantages == [-0.5, 0.5, 0.5]  # rollouts [0, 1]: mean 0.5; not [-2/3, 1/3, 1/3]
 
 
