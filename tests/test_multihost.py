@@ -123,6 +123,26 @@ def test_trainer_on_two_hosts_matches_one_host(workers, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_weights_cross_hosts_by_broadcast_bit_exact(workers, tmp_path):
+    """Trainer on 127.0.0.2, a generator replica on 127.0.0.3: auto picks the broadcast, over gloo bound to
+    the addresses the hosts' agents report, and the served log-probs are bit-exact after the update."""
+    model_dir = build_tiny_model(tmp_path / "model", seed=0)
+    out = subprocess.run(
+        [sys.executable, "tests/multihost_weights.py", str(model_dir), *workers.urls],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1100,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["plan"] == ["broadcast", "127.0.0.2", ["127.0.0.3"]]
+    assert (r["trainer_where"], r["generator_where"]) == ("127.0.0.2", "127.0.0.3")
+    assert r["zeros"] != r["original"]  # the all-zero update took effect, so the next one has work to do
+    assert r["handle_kind"] == "broadcast" and r["version"] == 2
+    assert r["broadcast"] == r["original"]  # bit-exact
+    assert "127.0.0.3" in r["generator_addresses"], r  # the vLLM worker's gloo pair binds its host's address
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_grpo_run_spans_two_hosts(workers, tmp_path):
     run = grpo(tmp_path / "run", f"cluster.workers=[{','.join(workers.urls)}]", "trainer.hosts=2", "trainer.procs=1", "trainer.max_steps=2")
