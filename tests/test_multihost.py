@@ -25,7 +25,9 @@ from forge_rl.config import ConfigError, load_config
 from forge_rl.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+# Monarch stops a worker's processes whose controller has not been heard from for its
+# mesh_orphan_timeout (1 minute); on a machine this loaded a niced controller can be starved that long.
+ENV = {"HYPERACTOR_MESH_ORPHAN_TIMEOUT": "15m", **os.environ, "PYTHONPATH": str(ROOT)}
 # Small enough for a couple of minutes on 2 cores: 4 groups of 4 games per step, no evaluation.
 SMALL_RUN = ["grpo.batch_size=4", "rollout.num_workers=4", "eval.interval=0", "trainer.checkpoint_every=0"]
 
