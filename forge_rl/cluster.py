@@ -7,8 +7,8 @@
                 `trainer.hosts` pods for the trainer, and so on; this controller runs in the cluster
 
 On every attached host one `HostAgent` process answers what only that host knows: the address its peers
-reach it at (MASTER_ADDR when it is a mesh's host 0), a free port there (MASTER_PORT), its GPU count,
-and whether it is still alive (to name the host that died when a mesh fails). The provisioner then
+reach it at (MASTER_ADDR when it is a mesh's host 0, the weight broadcast's addresses), a free port there
+(MASTER_PORT), its GPU count, its /dev/shm room (shared-memory weight sync), and whether it is still alive (to name the host that died when a mesh fails). The provisioner then
 places each role's processes on its hosts (forge_rl/provisioner.py). The controller's own small actors
 (replay buffer, TorchStore) stay on the controller's host.
 """
@@ -74,6 +74,13 @@ class HostAgent(Actor):
         with socket.socket() as s:
             s.bind(("", 0))
             return s.getsockname()[1]
+
+    @endpoint
+    async def shm_fits(self, nbytes: int) -> bool:
+        """Whether this host's /dev/shm holds two weight buffers of `nbytes` (forge_rl/weight_sync.py)."""
+        from forge_rl.weight_sync import shm_fits
+
+        return shm_fits(nbytes)
 
     @endpoint
     async def ping(self) -> bool:

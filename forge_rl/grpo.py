@@ -51,7 +51,6 @@ from forge_rl.envs import load_env_class
 from forge_rl.envs.client import EnvSession, EpisodeAborted, env_url
 from forge_rl.generator import Generator
 from forge_rl.metrics import MetricsLogger, plot_curves
-from forge_rl.envs.client import free_port
 from forge_rl.provisioner import get_provisioner
 from forge_rl.reference import ReferenceModel
 from forge_rl.replay_buffer import ReplayBufferActor
@@ -604,13 +603,16 @@ async def start(cfg: RunConfig, game, url: str) -> Run:
     hosts = {"trainer": cfg.trainer.hosts, "generator": cfg.generator.hosts}
     if cfg.grpo.kl_coef > 0:
         hosts["reference"] = cfg.reference.hosts
-    await get_provisioner().use_cluster(cfg.cluster, hosts)  # a no-op unless cluster.workers/kubernetes is set
-    gpus = get_provisioner().has_gpus()  # this host's, or the workers' (a controller pod may have none)
-    local, mode = cfg.cluster.mode == "local", cfg.generator.weight_sync
-    if not local and mode in ("shm", "broadcast"):  # the broadcast group is formed on this host's addresses only
-        raise ConfigError(f"generator.weight_sync: {mode} is not wired to cluster placement yet; use auto or store")
+    provisioner = get_provisioner()
+    await provisioner.use_cluster(cfg.cluster, hosts)  # a no-op unless cluster.workers/kubernetes is set
+    gpus = provisioner.has_gpus()  # this host's, or the workers' (a controller pod may have none)
     weights_bytes = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
-    sync = weight_sync.choose(mode if local else "store", same_host=local, nbytes=weights_bytes)
+    generator_hosts = [provisioner.host_of("generator", i, cfg.generator.hosts) for i in range(cfg.generator.num_replicas)]
+    try:  # by where trainer rank 0 and each replica will run (weight_sync.plan)
+        plan = await weight_sync.plan(cfg.generator.weight_sync, provisioner.host_of("trainer"), generator_hosts, weights_bytes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    sync = plan.kind
     logger.info("weight sync: %s (generator.weight_sync: %s)", sync, cfg.generator.weight_sync)
     await store.start()
     policy, trainer, buffer, reference = await start_all(  # one that fails stops the others
@@ -631,7 +633,7 @@ async def start(cfg: RunConfig, game, url: str) -> Run:
     if sync == "broadcast":  # a replica restarted later is not in the group: its updates time out
         replicas = [r.actor for r in policy.replicas]
         await weight_sync.connect_broadcast(
-            trainer, replicas, cfg.generator.procs, "127.0.0.1", ["127.0.0.1"] * len(replicas), free_port()
+            trainer, replicas, cfg.generator.procs, plan.rendezvous, plan.binds, await plan.trainer_host.free_port()
         )
     run = Run(
         cfg=cfg,

@@ -72,6 +72,13 @@ class Host:
             return free_port()
         return await asyncio.wait_for(self.agent.free_port.call_one(), AGENT_TIMEOUT_S)
 
+    async def shm_fits(self, nbytes: int) -> bool:
+        if self.agent is None:
+            from forge_rl.weight_sync import shm_fits
+
+            return shm_fits(nbytes)
+        return await asyncio.wait_for(self.agent.shm_fits.call_one(nbytes), AGENT_TIMEOUT_S)
+
 
 class Provisioner:
     """Hands out proc meshes and GPUs; one per controller process (see `get_provisioner`)."""
@@ -108,6 +115,12 @@ class Provisioner:
                 names = config.workers or [f"{role} pod {i}" for i in range(mesh.size("hosts"))]
                 described[id(mesh)] = await self._describe(mesh, names)
             self.roles[role] = (mesh, described[id(mesh)])
+
+    def host_of(self, role: str, index: int = 0, hosts: int = 1) -> Host:
+        """Where a role's mesh starts, as `spawn_procs` places it: host 0 of the role (a mesh's rank 0),
+        or a service's replica `index` on host index % hosts. The controller's host when no cluster."""
+        role_hosts = self.roles[role][1] if role in self.roles else [self.local]
+        return role_hosts[(index % hosts) % len(role_hosts)]
 
     def has_gpus(self) -> bool:
         """Whether the roles' hosts have GPUs: the workers' when a cluster is attached, else this host's."""

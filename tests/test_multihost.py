@@ -25,7 +25,9 @@ from forge_rl.config import ConfigError, load_config
 from forge_rl.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+# Monarch stops a worker's processes whose controller has not been heard from for its
+# mesh_orphan_timeout (1 minute); on a machine this loaded a niced controller can be starved that long.
+ENV = {"HYPERACTOR_MESH_ORPHAN_TIMEOUT": "15m", **os.environ, "PYTHONPATH": str(ROOT)}
 # Small enough for a couple of minutes on 2 cores: 4 groups of 4 games per step, no evaluation.
 SMALL_RUN = ["grpo.batch_size=4", "rollout.num_workers=4", "eval.interval=0", "trainer.checkpoint_every=0"]
 
@@ -120,6 +122,26 @@ def test_trainer_on_two_hosts_matches_one_host(workers, tmp_path):
     for key in ("loss", "grad_norm", "ratio_mean", "entropy"):
         assert first[key] == pytest.approx(one_first[key], rel=1e-5, abs=1e-7), key
         assert second[key] == pytest.approx(one_second[key], rel=1e-3), key  # after an update: float noise only
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_weights_cross_hosts_by_broadcast_bit_exact(workers, tmp_path):
+    """Trainer on 127.0.0.2, a generator replica on 127.0.0.3: auto picks the broadcast, over gloo bound to
+    the addresses the hosts' agents report, and the served log-probs are bit-exact after the update."""
+    model_dir = build_tiny_model(tmp_path / "model", seed=0)
+    out = subprocess.run(
+        [sys.executable, "tests/multihost_weights.py", str(model_dir), *workers.urls],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1100,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["plan"] == ["broadcast", "127.0.0.2", ["127.0.0.3"]]
+    assert (r["trainer_where"], r["generator_where"]) == ("127.0.0.2", "127.0.0.3")
+    assert r["zeros"] != r["original"]  # the all-zero update took effect, so the next one has work to do
+    assert r["handle_kind"] == "broadcast" and r["version"] == 2
+    assert r["broadcast"] == r["original"]  # bit-exact
+    assert "127.0.0.3" in r["generator_addresses"], r  # the vLLM worker's gloo pair binds its host's address
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Weight sync buffers and choices without engines: bit-exact round trips, refused torn or stale reads,
 orphaned buffers of a killed writer removed. (The engines' side: tests/test_weight_sync_engines.py.)"""
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from forge_rl import weight_sync
+from forge_rl.provisioner import Host
 from forge_rl.weight_sync import SharedBuffers, StaleWeightsError, WeightsHandle
 
 
@@ -110,15 +112,21 @@ def test_buffers_of_a_writer_killed_with_minus_9_are_removed_and_a_live_writers_
 
 
 def test_auto_picks_shared_memory_on_one_host_broadcast_across_hosts_and_the_fallback_when_it_must():
-    assert weight_sync.choose("auto", same_host=True, nbytes=10**6) == "shm"
-    assert weight_sync.choose("auto", same_host=False, nbytes=10**6) == "broadcast"
-    assert weight_sync.choose("auto", same_host=True, nbytes=10**15) == "store"  # /dev/shm cannot hold it
-    assert weight_sync.choose("store", same_host=True, nbytes=10**6) == "store"
+    """`plan` decides from where trainer rank 0 and each replica run (the provisioner's hosts)."""
+    here, there = Host("127.0.0.2", "tcp://127.0.0.2:1", []), Host("127.0.0.3", "tcp://127.0.0.3:1", [])
+    assert asyncio.run(weight_sync.plan("auto", here, [here, here], 10**6)).kind == "shm"
+    across = asyncio.run(weight_sync.plan("auto", here, [here, there], 10**6))
+    assert (across.kind, across.rendezvous, across.binds) == ("broadcast", "127.0.0.2", ["127.0.0.2", "127.0.0.3"])
+    assert asyncio.run(weight_sync.plan("auto", here, [here], 10**15)).kind == "store"  # /dev/shm cannot hold it
+    assert asyncio.run(weight_sync.plan("store", here, [there], 10**6)).kind == "store"
+    assert asyncio.run(weight_sync.plan("broadcast", here, [here], 10**6)).kind == "broadcast"
+    with pytest.raises(ValueError, match="generator.weight_sync: shm needs the generators on the trainer's host 127.0.0.2, "
+                                         "but some run on 127.0.0.3"):
+        asyncio.run(weight_sync.plan("shm", here, [here, there], 10**6))
     with pytest.raises(ValueError, match="generator.weight_sync"):
-        weight_sync.choose("nccl", same_host=True, nbytes=1)
+        asyncio.run(weight_sync.plan("nccl", here, [here], 1))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: GPU tensors written into the host buffer")
 def test_cuda_state_dicts_are_written_straight_into_the_buffer(buffers):
     handle = buffers.write({k: v.cuda() for k, v in make_state_dict(1).items()}, 1)
     assert_bit_exact(read(handle), make_state_dict(1))

@@ -84,6 +84,10 @@ def load_zeros(a, generators) -> None:
         assert logprobs(a, g) == pytest.approx([-math.log(vocab)] * GREEDY["max_tokens"], abs=1e-5)
 
 
+def pid(a, actor) -> int:
+    return int(a.run(actor._bind_rank.call_one())["pid"])
+
+
 def processes_mapping(path: str) -> set[int]:
     pids = set()
     for maps in glob.glob("/proc/[0-9]*/maps"):
@@ -108,7 +112,7 @@ def test_two_replicas_load_one_shared_buffer_bit_exact(a):
         assert logprobs(a, g) == original  # bit-exact
         assert a.run(g.current_version.call_one()) == a.version
     assert len(our_buffers()) == 2  # one pair, however many readers
-    trainer_pid = a.run(a.shm_trainer._bind_rank.call_one())
+    trainer_pid = pid(a, a.shm_trainer)
     readers = processes_mapping(handle["path"]) - {trainer_pid}
     # each replica's vLLM worker and the Generator actor itself (its check before the gate)
     assert len(readers) >= 2, readers
@@ -149,9 +153,9 @@ def test_broadcast_between_two_host_addresses_is_bit_exact(a):
     a.run(generator.update_weights.call_one(a.version))
     assert logprobs(a, generator) == a.original[1]
     # gloo's pairs listen on their member's address: the trainer's on 127.0.0.2, the vLLM worker's on 127.0.0.3
-    trainer = psutil.Process(a.run(a.broadcast_trainer._bind_rank.call_one()))
+    trainer = psutil.Process(pid(a, a.broadcast_trainer))
     assert "127.0.0.2" in {c.laddr.ip for c in trainer.net_connections("tcp") if c.raddr}
-    engine = psutil.Process(a.run(generator._bind_rank.call_one())).children(recursive=True)
+    engine = psutil.Process(pid(a, generator)).children(recursive=True)
     listening = {c.laddr.ip for p in engine for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
     assert "127.0.0.3" in listening, listening
 
@@ -161,6 +165,6 @@ def test_nothing_left_in_dev_shm_after_the_trainer_is_killed_and_the_rest_stop(a
     a.run(a.shm_trainer.push_weights.call(a.version))
     a.run(gather(*(g.update_weights.call_one(a.version) for g in a.generators)))
     assert len(our_buffers()) == 2
-    os.kill(a.run(a.shm_trainer._bind_rank.call_one()), signal.SIGKILL)
+    os.kill(pid(a, a.shm_trainer), signal.SIGKILL)
     a.run(gather(*(stop(g) for g in a.generators)))
     assert our_buffers() == []
