@@ -151,6 +151,7 @@ class TrainerConfig:
     max_steps: int = 200
     checkpoint_every: int = 25  # steps; 0 disables (the last step is checkpointed too)
     timeout_s: float = 3600.0  # per call to the trainer (train step, weights push, checkpoint)
+    restart_on_failure: bool = False  # the trainer's processes died: start again from the last checkpoint
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
     def check(self, key):

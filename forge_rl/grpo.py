@@ -749,7 +749,7 @@ async def main(cfg: RunConfig) -> None:
         progress = tqdm(total=cfg.trainer.max_steps, initial=run.step, desc=f"GRPO {cfg.app_module}", dynamic_ncols=True)
         workers = [] if cfg.synchronous else [asyncio.create_task(rollout_worker(run)) for _ in range(cfg.rollout.num_workers)]
         try:
-            await train(run, progress, workers)
+            await faults.watch_trainer(run, train(run, progress, workers))  # a dead trainer stops it within seconds
         finally:
             run.stopping.set()
             for w in workers:
@@ -778,7 +778,10 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     try:
-        asyncio.run(main(config))
+        asyncio.run(faults.restarting(main, config))  # again from the last checkpoint if trainer.restart_on_failure
+    except faults.TrainerLost as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        sys.exit(1)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
