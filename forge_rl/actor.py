@@ -24,6 +24,11 @@ from forge_rl.cluster import host_address
 from forge_rl.provisioner import get_provisioner
 
 
+class ReplicaDead(RuntimeError):
+    """Raised by a live actor that can no longer serve (a Generator whose vLLM engine process died):
+    a service treats its replica as it treats one whose processes died (forge_rl/service.py)."""
+
+
 class ForgeActor(Actor):
     @endpoint
     async def setup(self) -> None:
@@ -47,7 +52,8 @@ class ForgeActor(Actor):
 
     @concurrent_endpoint
     async def ping(self) -> bool:
-        """All ranks. Health probe used by services; concurrent, so it answers while other calls run."""
+        """All ranks. Health probe used by services; concurrent, so it answers while other calls run.
+        An actor that holds something which can die on its own (an engine) raises ReplicaDead here."""
         return True
 
     @classmethod

@@ -47,7 +47,9 @@ class ModelConfig:
 class EnvConfig:
     url: Optional[str] = None  # a running OpenEnv server, e.g. http://blackjack:8000
     server: Optional[str] = None  # or "module:Class" to launch on loopback for local runs
-    max_concurrent: int = 32  # sessions the local server accepts (MAX_CONCURRENT_ENVS)
+    # Most sessions the run holds open at once (its pool), and what a launched server accepts (MAX_CONCURRENT_ENVS);
+    # against env.url it is lowered to what the server's /health reports (max_concurrent_envs).
+    max_concurrent: int = 32
     timeout_s: float = 30.0  # per call to the environment
     reset_args: dict = field(default_factory=dict)  # passed to every reset besides the seed, e.g. {task_set: synth}
 
@@ -149,6 +151,7 @@ class TrainerConfig:
     max_steps: int = 200
     checkpoint_every: int = 25  # steps; 0 disables (the last step is checkpointed too)
     timeout_s: float = 3600.0  # per call to the trainer (train step, weights push, checkpoint)
+    restart_on_failure: bool = False  # the trainer's processes died: start again from the last checkpoint
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
     def check(self, key):
@@ -326,6 +329,7 @@ def load_config(path: str | Path, overrides: list[str] = (), schema: type = RunC
         raise ConfigError(f"{path}: not valid YAML: {_one_line(e)}") from None
     try:
         merged = OmegaConf.merge(raw, OmegaConf.from_dotlist(list(overrides)))
+        _command_line_url_wins(merged, overrides)
         data = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
@@ -336,6 +340,15 @@ def load_config(path: str | Path, overrides: list[str] = (), schema: type = RunC
         return _to_dataclass(schema, data, "")
     except ConfigError as e:
         raise ConfigError(f"{e} {where}") from None
+
+
+def _command_line_url_wins(merged, overrides) -> None:
+    """env.url given on the command line over a file that names env.server: the running server is meant
+    (a local config pointed at a deployed server), so the file's env.server is dropped rather than
+    stopping on "set exactly one"."""
+    keys = {o.split("=", 1)[0].strip().lstrip("+") for o in overrides}
+    if "env.url" in keys and "env.server" not in keys and OmegaConf.select(merged, "env.url") is not None:
+        merged.env.server = None
 
 
 def parse_cli(argv: list[str] | None = None, schema: type = RunConfig):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import socket
@@ -32,7 +33,7 @@ from monarch.actor import concurrent_endpoint, endpoint
 from safetensors.torch import save_file
 
 from forge_rl import store, weight_sync
-from forge_rl.actor import ForgeActor
+from forge_rl.actor import ForgeActor, ReplicaDead
 from forge_rl.config import GeneratorConfig
 from forge_rl.types import Completion
 
@@ -132,6 +133,23 @@ class WeightGate:
                 self._cond.notify_all()
 
 
+def reports_dead_engine(endpoint_fn):
+    """An endpoint whose errors, once the vLLM engine process has died (vLLM's EngineDeadError, or
+    whatever a call into the dead engine raises first), become ReplicaDead: the service then restarts
+    the replica and retries the call, instead of passing the engine's error on to the run."""
+
+    @functools.wraps(endpoint_fn)
+    async def wrapper(self, *args, **kwargs):
+        try:
+            return await endpoint_fn(self, *args, **kwargs)
+        except Exception as e:
+            if self.engine is not None and not self.engine.errored:
+                raise
+            raise ReplicaDead(f"Generator: the vLLM engine of pid {os.getpid()} died ({type(e).__name__}: {e})") from None
+
+    return wrapper
+
+
 class Generator(ForgeActor):
     """One vLLM engine replica serving the policy; every token says which weights version sampled it.
 
@@ -167,6 +185,15 @@ class Generator(ForgeActor):
         await self.engine.update_weight_version(str(self.policy_version))
 
     @concurrent_endpoint
+    async def ping(self) -> bool:
+        """Any caller, concurrent: the service's health probe. Raises ReplicaDead once the vLLM engine
+        process has died (the actor lives on, but serves nothing until the service restarts it)."""
+        if self.engine is None or self.engine.errored:
+            raise ReplicaDead(f"Generator: the vLLM engine of pid {os.getpid()} is dead")
+        return True
+
+    @concurrent_endpoint
+    @reports_dead_engine
     async def generate(self, prompt_token_ids: list[int], sampling: dict) -> list[Completion]:
         """Any caller, concurrent: n completions of one prompt. Waits while a weight swap is in progress."""
         from vllm.inputs import tokens_input
@@ -198,6 +225,7 @@ class Generator(ForgeActor):
         return completions
 
     @concurrent_endpoint
+    @reports_dead_engine
     async def update_weights(self, version: int) -> None:
         """Controller, returns once the engine samples with the weights of `version`.
 
@@ -246,6 +274,7 @@ class Generator(ForgeActor):
         return "load_staged_weights", (handle,), None
 
     @endpoint
+    @reports_dead_engine
     async def join_weights_group(self, rendezvous: str, port: int, first_rank: int, world: int, bind: str) -> list[int]:
         """Controller, with the trainer's join at the same time (a rendezvous): every vLLM worker of this
         replica joins the broadcast group, as ranks first_rank, first_rank + 1, ..."""

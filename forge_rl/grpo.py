@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -44,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from forge_rl import store, weight_sync
+from forge_rl import faults, store, weight_sync
 from forge_rl.actor import call, start_all, stop
 from forge_rl.config import ConfigError, RunConfig, dump, parse_cli
 from forge_rl.envs import load_env_class
@@ -649,12 +650,7 @@ async def start(cfg: RunConfig, game, url: str) -> Run:
         answer_length=cfg.sampling.max_tokens if getattr(game, "ANSWER_VOCABULARY", None) else 1,
         next_seed=cfg.seed * 1_000_000,
     )
-
-    async def catch_up(replica):  # a restarted generator starts from the model directory: give it the current weights
-        if run.version:
-            await replica.actor.update_weights.call(run.version)
-
-    policy.after_restart = catch_up
+    policy.after_restart = faults.catch_up  # a restarted generator loads the current weights before taking calls
     return run
 
 
@@ -739,6 +735,9 @@ async def main(cfg: RunConfig) -> None:
     dump(cfg, run_dir / "config.yaml")  # the resolved config, to reproduce the run
     print(f"logs of every process (vLLM, Monarch): {run_dir / 'run.log'}")
     url, local_server = env_url(cfg.env.url, cfg.env.server, cfg.env.max_concurrent)
+    if cfg.env.url is not None:  # a running server: the session pool never holds more sessions than it accepts
+        size = faults.fit_sessions_to_server(url, cfg.env.max_concurrent, cfg.grpo.group_size, cfg.env.timeout_s)
+        cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, max_concurrent=size))
     run = None
     try:
         run = await start(cfg, game, url)
@@ -752,7 +751,7 @@ async def main(cfg: RunConfig) -> None:
         progress = tqdm(total=cfg.trainer.max_steps, initial=run.step, desc=f"GRPO {cfg.app_module}", dynamic_ncols=True)
         workers = [] if cfg.synchronous else [asyncio.create_task(rollout_worker(run)) for _ in range(cfg.rollout.num_workers)]
         try:
-            await train(run, progress, workers)
+            await faults.watch_trainer(run, train(run, progress, workers))  # a dead trainer stops it within seconds
         finally:
             run.stopping.set()
             for w in workers:
@@ -781,7 +780,10 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     try:
-        asyncio.run(main(config))
+        asyncio.run(faults.restarting(main, config))  # again from the last checkpoint if trainer.restart_on_failure
+    except faults.TrainerLost as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        sys.exit(1)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -6,9 +6,11 @@ Invariants:
 - Every call has a timeout; a hung actor raises TimeoutError in the caller, never hangs it.
 - An exception raised inside an actor re-raises in the caller (Monarch's ActorError, with the remote
   traceback); it says nothing about the replica's health, so it is not retried.
-- A replica whose processes died (Monarch's SupervisionError, or a failed health probe) stops receiving
-  calls at once and is restarted in the background; the call that found it dead is retried once on
-  another healthy replica.
+- A replica whose processes died (Monarch's SupervisionError, or a failed health probe), or whose actor
+  says it can no longer serve (ReplicaDead: a Generator whose vLLM engine died), stops receiving calls at
+  once and is restarted in the background; the call that found it dead is retried once on a healthy
+  replica (waiting for a restart when none is left). A fanout leaves a dead replica out instead of
+  failing: `after_restart` brings the restarted replica up to date.
 - Calls with the same `session` go to the same replica while it is healthy (sticky sessions keep a
   multi-turn conversation on the replica that holds its KV cache).
 
@@ -24,7 +26,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+from monarch.actor import ActorError
 
+from forge_rl.actor import ReplicaDead
 from forge_rl.provisioner import get_provisioner
 
 logger = logging.getLogger(__name__)
@@ -97,9 +101,10 @@ class Service:
             await self.after_restart(replica)
         replica.healthy = True
 
-    def _mark_dead(self, replica: Replica, why: str) -> None:
-        """Stop routing to `replica` and restart it in the background (once at a time)."""
-        if not replica.healthy:
+    def _mark_dead(self, replica: Replica, why: str, actor=None) -> None:
+        """Stop routing to `replica` and restart it in the background (once at a time). `actor`: the mesh
+        the failed call went to; if the replica has been restarted since, its new mesh is left alone."""
+        if not replica.healthy or (actor is not None and actor is not replica.actor):
             return
         replica.healthy = False
         logger.warning("%s replica %d is down (%s); restarting it", self.name, replica.index, why.splitlines()[0])
@@ -132,15 +137,16 @@ class Service:
         dead; any other error is logged, so that probing outlives whatever one probe runs into."""
         try:
             await asyncio.wait_for(replica.actor.ping.call(), self.call_timeout_s)
-        except (SupervisionError, asyncio.TimeoutError) as e:
-            self._mark_dead(replica, f"health probe: {e!r}")
         except Exception as e:
+            if is_dead(e) or isinstance(e, asyncio.TimeoutError):
+                self._mark_dead(replica, f"health probe: {_first_line(e)}")
+                return
             logger.warning("%s replica %d: health probe failed: %s", self.name, replica.index, _first_line(e))
 
     # ---- calls -------------------------------------------------------------------------------------
 
-    def _pick(self, session, exclude=()) -> Replica:
-        healthy = [r for r in self.replicas if r.healthy and r.index not in exclude]
+    def _pick(self, session) -> Replica:
+        healthy = [r for r in self.replicas if r.healthy]
         if not healthy:
             raise NoHealthyReplica(f"{self.name}: no healthy replica (of {len(self.replicas)}) to take the call")
         if session is not None and session in self.sessions:
@@ -174,35 +180,56 @@ class Service:
             replica.in_flight -= 1
         return result if self.launcher.procs == 1 else [v for _, v in result.items()]
 
+    async def _pick_or_wait(self, session, timeout: float) -> Replica:
+        """A healthy replica; while none is but some are restarting, wait for one (up to `timeout`)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                return self._pick(session)
+            except NoHealthyReplica:
+                restarting = any(r.restarting is not None and not r.restarting.done() for r in self.replicas)
+                if not restarting or asyncio.get_running_loop().time() > deadline:
+                    raise
+            await asyncio.sleep(0.1)
+
     async def route(self, endpoint: str, *args, session=None, timeout: float | None = None, **kwargs):
-        """Call `endpoint` on one healthy replica; retried once elsewhere if that replica is found dead."""
+        """Call `endpoint` on one healthy replica; retried once on a healthy one if that replica is found
+        dead (the restarted replica itself when it was the only one)."""
         timeout = timeout or self.call_timeout_s
-        replica = self._pick(session)
+        replica = await self._pick_or_wait(session, timeout)
+        actor = replica.actor
         try:
             return await self._call(replica, endpoint, args, kwargs, timeout)
-        except SupervisionError as e:
-            self._mark_dead(replica, str(e))
-            retry = self._pick(session, exclude={replica.index})
+        except Exception as e:
+            if not is_dead(e):
+                raise
+            self._mark_dead(replica, _first_line(e), actor)
+            retry = await self._pick_or_wait(session, timeout)
             if session is not None:
                 self.sessions[session] = retry.index
             return await self._call(retry, endpoint, args, kwargs, timeout)
 
     async def fanout(self, endpoint: str, *args, timeout: float | None = None, **kwargs) -> list:
-        """Call `endpoint` on every healthy replica concurrently; returns their results in replica order."""
+        """Call `endpoint` on every healthy replica concurrently; returns the results of those that
+        answered, in replica order. A replica found dead is left out and restarted (`after_restart`
+        brings it up to date), so a fanout fails only on an error raised by a live replica, or when
+        no replica is up and none is restarting."""
         timeout = timeout or self.call_timeout_s
         targets = [r for r in self.replicas if r.healthy]
-        if not targets:
+        if not targets and not any(r.restarting is not None and not r.restarting.done() for r in self.replicas):
             raise NoHealthyReplica(f"{self.name}: no healthy replica to fan out {endpoint!r} to")
+        actors = [r.actor for r in targets]
         results = await asyncio.gather(
             *(self._call(r, endpoint, args, kwargs, timeout) for r in targets), return_exceptions=True
         )
-        for r, res in zip(targets, results):
-            if isinstance(res, SupervisionError):
-                self._mark_dead(r, str(res))
-        errors = [res for res in results if isinstance(res, BaseException)]
+        dead = [isinstance(res, Exception) and is_dead(res) for res in results]
+        for r, actor, res, died in zip(targets, actors, results, dead):
+            if died:
+                self._mark_dead(r, _first_line(res), actor)
+        errors = [res for res, died in zip(results, dead) if isinstance(res, BaseException) and not died]
         if errors:
             raise errors[0]
-        return results
+        return [res for res, died in zip(results, dead) if not died]
 
     async def wait_healthy(self, timeout: float = 120.0) -> None:
         """Wait until every replica is healthy again (after restarts)."""
@@ -211,5 +238,15 @@ class Service:
                 await asyncio.sleep(0.1)
 
 
+def is_dead(e: BaseException) -> bool:
+    """Does this error of a call say its replica is dead (processes gone, or the actor says ReplicaDead)?"""
+    return isinstance(e, (SupervisionError, ReplicaDead)) or (
+        isinstance(e, ActorError) and isinstance(e.exception, ReplicaDead)
+    )
+
+
 def _first_line(e: BaseException) -> str:
+    """The first line of an error's message; of a remote actor's error, that of the error it raised."""
+    if isinstance(e, ActorError):
+        e = e.exception
     return str(e).splitlines()[0] if str(e) else repr(e)

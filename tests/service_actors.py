@@ -3,7 +3,7 @@
 import asyncio
 import os
 
-from forge_rl.actor import ForgeActor
+from forge_rl.actor import ForgeActor, ReplicaDead
 from monarch.actor import concurrent_endpoint, endpoint
 
 
@@ -26,6 +26,8 @@ class EchoActor(ForgeActor):
             await asyncio.sleep(3600)
         if self.ping_mode == "raise":
             raise ValueError("ping failed on purpose")
+        if self.ping_mode == "dead":  # as a Generator whose vLLM engine died
+            raise ReplicaDead("its engine died, on purpose")
         return True
 
     @endpoint
@@ -47,6 +49,14 @@ class EchoActor(ForgeActor):
     @concurrent_endpoint  # like a long generate(): other calls are served meanwhile
     async def hang(self):
         await asyncio.sleep(3600)
+
+    @endpoint
+    async def dead_engine_if_first(self, path: str) -> int:
+        """As a Generator's call into an engine that died, for the first call (of any replica) given
+        `path`: the process lives and the call raises ReplicaDead. Later calls return their pid."""
+        if _first_to_create(path, os.getpid()):
+            raise ReplicaDead("its engine died during the call, on purpose")
+        return os.getpid()
 
     @endpoint
     async def die(self):

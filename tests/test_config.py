@@ -27,6 +27,12 @@ def test_overrides_and_interpolation():
     assert cfg.grpo.clip_high == 0.28  # untouched keys keep the file's value
 
 
+def test_env_url_on_the_command_line_wins_over_the_files_env_server():
+    cfg = load_config(TINY, ["env.url=http://blackjack:8000"])
+    assert cfg.env.url == "http://blackjack:8000" and cfg.env.server is None
+    assert load_config(TINY).env.server is not None
+
+
 def test_defaults_are_the_embedded_defaults(tmp_path):
     """A minimal YAML (only the environment, as "Adding an environment" shows) trains as `make train`
     does: every default is the value of configs/blackjack_tiny_cpu.yaml, run_dir aside."""
@@ -57,7 +63,7 @@ def write(tmp_path, text):
         (["grpo.group_size=eight"], r"grpo\.group_size: expected int, got 'eight'"),
         (["grpo.kl_estimator=k4"], r"grpo\.kl_estimator: expected one of 'k1', 'k2', 'k3'"),
         (["grpo=3"], r"grpo: expected a section"),
-        (["env.url=http://x:1"], r"env: set exactly one of env\.url or env\.server"),
+        (["env.url=http://x:1", "env.server=a.b:C"], r"env: set exactly one of env\.url or env\.server"),
         (["seed=${nope}"], r"seed: .*nope"),
         (["grpo.clip_low=1.5"], r"grpo\.clip_low: expected < 1"),
         (["grpo.loss_agg=sum"], r"grpo\.loss_agg: expected one of 'token_mean', 'seq_mean'"),

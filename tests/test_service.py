@@ -201,3 +201,53 @@ def test_hanging_call_times_out():
             await service.stop()
 
     run(main())
+
+
+
+def test_replica_dead_from_a_call_a_fanout_or_a_probe_restarts_the_replica(tmp_path):
+    """An actor whose processes live but which raises ReplicaDead (a Generator whose vLLM engine died):
+    a route that meets it is retried on a healthy replica, a fanout leaves it out instead of failing,
+    a probe that meets it marks it dead; each time the replica is restarted in new processes."""
+    async def main():
+        service = await EchoActor.options(num_replicas=2, health_interval_s=0.3).as_service("engines")
+        try:
+            pids = {(await service._call(r, "whoami", (), {}, 10))[1] for r in service.replicas}
+            answered = await service.route("dead_engine_if_first", str(tmp_path / "route"))
+            died = int((tmp_path / "route").read_text())
+            assert answered in pids and answered != died
+            await service.wait_healthy(timeout=60)
+            assert sum(r.restarts for r in service.replicas) == 1 and _gone(died), "not restarted in a new process"
+
+            results = await service.fanout("dead_engine_if_first", str(tmp_path / "fanout"))
+            assert len(results) == 1, f"a fanout that met a dead replica returns the others' results: {results}"
+            await service.wait_healthy(timeout=60)
+            assert sum(r.restarts for r in service.replicas) == 2
+
+            victim = service.replicas[1]
+            await service._call(victim, "set_ping", ("dead",), {}, 10)
+            async with asyncio.timeout(20):
+                while victim.restarts == 0 or not victim.healthy:
+                    await asyncio.sleep(0.1)
+            assert sum(r.restarts for r in service.replicas) == 3
+        finally:
+            await service.stop()
+
+    run(main())
+
+
+def test_the_only_replica_dead_waits_for_its_restart_and_the_call_is_retried_on_it(tmp_path):
+    """With one replica (the default generator and reference services), a call that finds it dead is
+    retried once it has been restarted, instead of failing for want of a healthy replica."""
+    async def main():
+        service = await EchoActor.options(num_replicas=1, health_interval_s=60).as_service("alone")
+        try:
+            pid = await service.route("dead_engine_if_first", str(tmp_path / "dead"))
+            assert pid != int((tmp_path / "dead").read_text()) and service.replicas[0].restarts == 1
+            _, pid, _ = await service.route("whoami")
+            os.kill(pid, signal.SIGKILL)
+            _, new_pid, _ = await service.route("whoami")
+            assert new_pid != pid and service.replicas[0].restarts == 2
+        finally:
+            await service.stop()
+
+    run(main())

@@ -1,0 +1,221 @@
+"""Faults a real cluster has, caused for real: a vLLM engine process killed inside a live Generator
+actor, a reference model's process killed. The run's services must survive them (forge_rl/service.py,
+forge_rl/faults.py).
+"""
+
+import asyncio
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from monarch.actor import ActorError
+from safetensors.torch import load_file
+
+from forge_rl import faults, store
+from forge_rl.actor import ReplicaDead
+from forge_rl.config import ConfigError, GeneratorConfig
+from forge_rl.envs.client import launch_local
+from forge_rl.generator import Generator
+from forge_rl.grpo import SessionPool
+from forge_rl.reference import ReferenceModel
+from forge_rl.tiny_model import build_tiny_model
+from forge_rl.weight_sync import WeightsHandle
+
+pytestmark = pytest.mark.timeout(600)
+ROOT = Path(__file__).resolve().parent.parent
+BLACKJACK = "forge_rl.envs.blackjack:BlackJackEnvironment"
+GREEDY = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+
+
+async def push(state_dict: dict, version: int) -> None:
+    """What Trainer.push_weights does with weight_sync=store: the bytes, then the handle."""
+    await store.put_state_dict(state_dict, version)
+    await store.put_handle(WeightsHandle("store", version).as_dict(), version)
+
+
+async def pid_of(replica) -> int:
+    return int((await replica.actor._bind_rank.call_one())["pid"])
+
+
+def engine_core_of(pid: int) -> psutil.Process:
+    """The vLLM engine process among a Generator process's children, found by its process title."""
+    (engine,) = [p for p in psutil.Process(pid).children(recursive=True) if p.name() == "VLLM::EngineCore"]
+    return engine
+
+
+def test_a_generator_whose_vllm_engine_died_is_restarted_caught_up_and_its_calls_retried(tmp_path):
+    """kill -9 of VLLM::EngineCore, the Monarch actor alive: its ping says ReplicaDead; a generate that
+    meets it is retried on the restarted replica, which has caught up to the newest pushed weights; a
+    weight update fanned out meanwhile does not fail; later updates reach the new engine."""
+    path = build_tiny_model(tmp_path / "tiny", seed=0)
+    original = load_file(path / "model.safetensors")
+    zeroed = dict(original, **{"lm_head.weight": torch.zeros_like(original["lm_head.weight"])})
+    uniform = -math.log(original["lm_head.weight"].shape[0])  # zero logits: every token equally likely
+
+    async def main():
+        await store.start()
+        config = GeneratorConfig(max_model_len=256, gpu_memory_utilization=0.01)
+        policy = await Generator.options(num_replicas=1, health_interval_s=3600).as_service(str(path), "float32", config, 0)
+        policy.after_restart = faults.catch_up
+        try:
+            await push(zeroed, 1)
+            await policy.fanout("update_weights", 1)
+            (before,) = await policy.route("generate", [1, 2, 3], GREEDY)
+            assert before.policy_version == 1 and before.logprobs == pytest.approx([uniform] * 4, abs=1e-5)
+
+            replica = policy.replicas[0]
+            old_actor, old_pid = replica.actor, await pid_of(replica)
+            engine = engine_core_of(old_pid)
+            os.kill(engine.pid, signal.SIGKILL)
+            engine.wait(10)
+            async with asyncio.timeout(60):  # the actor lives on; its health probe says the engine is dead
+                while True:
+                    try:
+                        await old_actor.ping.call_one()
+                    except ActorError as e:
+                        assert isinstance(e.exception, ReplicaDead), e
+                        break
+                    await asyncio.sleep(0.2)
+            assert replica.healthy, "the service has not probed yet (health_interval_s=3600)"
+
+            await push(dict(original), 2)
+            # Both meet the dead engine: the update is left out (no error), the generate is retried on
+            # the restarted replica once it has loaded version 2.
+            updated, (after,) = await asyncio.gather(
+                policy.fanout("update_weights", 2), policy.route("generate", [1, 2, 3], GREEDY)
+            )
+            assert updated == [] and replica.restarts == 1 and replica.healthy
+            assert after.policy_version == 2 and after.logprobs != pytest.approx([uniform] * 4, abs=1e-3)
+            new_pid = await pid_of(replica)
+            assert new_pid != old_pid and engine_core_of(new_pid).pid != engine.pid
+
+            await push(zeroed, 3)
+            assert len(await policy.fanout("update_weights", 3)) == 1
+            (last,) = await policy.route("generate", [1, 2, 3], GREEDY)
+            assert last.policy_version == 3 and last.logprobs == pytest.approx([uniform] * 4, abs=1e-5)
+        finally:
+            await policy.stop()
+            await store.stop()
+
+    asyncio.run(main())
+
+
+def test_a_reference_model_whose_process_died_is_restarted_and_the_call_retried(tmp_path):
+    """kill -9 of the only reference replica's process: the next logprobs call waits for the restart
+    and returns the same log-probs as before."""
+    path = build_tiny_model(tmp_path / "tiny", seed=0)
+    ids = [torch.tensor([1, 2, 3, 4, 5])]
+
+    async def main():
+        reference = await ReferenceModel.options(num_replicas=1, health_interval_s=3600).as_service(str(path))
+        try:
+            (before,) = await reference.route("logprobs", ids)
+            pid = await pid_of(reference.replicas[0])
+            os.kill(pid, signal.SIGKILL)
+            psutil.Process(pid).wait(10)
+            (after,) = await reference.route("logprobs", ids)
+            assert reference.replicas[0].restarts == 1 and torch.equal(before, after)
+        finally:
+            await reference.stop()
+
+    asyncio.run(main())
+
+
+def test_the_session_pool_fits_a_running_server_or_the_run_stops_naming_both_numbers():
+    """A server that accepts 6 sessions: a pool asked for 32 holds 6 and plays 24 games at once without
+    a refusal; asked for groups of 8 games, it cannot, and says why with both numbers."""
+    with launch_local(BLACKJACK, max_concurrent_envs=6) as server:
+        assert faults.fit_sessions_to_server(server.url, 32, 4, 10) == 6
+        assert faults.fit_sessions_to_server(server.url, 5, 4, 10) == 5
+        with pytest.raises(ConfigError, match=r"accepts 6 sessions .*group_size=8 .*env\.max_concurrent=32: start it with MAX_CONCURRENT_ENVS=32"):
+            faults.fit_sessions_to_server(server.url, 32, 8, 10)
+
+        async def play(pool, seed):
+            async with pool.session() as session:
+                observation = (await session.reset(seed=seed)).observation
+                while not observation["done"]:
+                    observation = (await session.step({"action": "STAND"})).observation
+                return observation["reward"]
+
+        async def many():
+            pool = SessionPool(server.url, faults.fit_sessions_to_server(server.url, 32, 4, 10), 30)
+            try:
+                return await asyncio.gather(*(play(pool, seed) for seed in range(24)))
+            finally:
+                await pool.close()
+
+        assert len(asyncio.run(many())) == 24
+    with pytest.raises(ConfigError, match="does not answer"):
+        faults.server_capacity(server.url, 2)
+
+
+def test_an_app_pointed_at_a_small_server_stops_before_launching_anything(tmp_path):
+    """`env.url=...` on the command line over a config naming env.server: the URL wins; a server with
+    fewer sessions than a group's games stops the run at once, exit status 2, one line naming both."""
+    with launch_local(BLACKJACK, max_concurrent_envs=2) as server:
+        proc = subprocess.run(
+            [sys.executable, "-m", "forge_rl.grpo", "--config", str(ROOT / "configs" / "blackjack_tiny_cpu.yaml"),
+             f"env.url={server.url}", f"run_dir={tmp_path / 'run'}"],
+            cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line and "HYPERACTOR" not in line]
+    assert proc.returncode == 2, lines[-20:]
+    assert lines[-1].startswith("config error: env.url: ") and "accepts 2 sessions" in lines[-1] and "env.max_concurrent=32" in lines[-1], lines
+    assert not any("Traceback" in line for line in lines), lines
+
+
+def _trainer_pid(run_dir: Path, after: int = 0) -> int | None:
+    """The pid the trainer's rank 0 logged to run.log (forge_rl.actor._bind_rank), the last one after byte `after`."""
+    log = run_dir / "run.log"
+    text = log.read_text(errors="replace")[after:] if log.exists() else ""
+    found = re.findall(r"forge_rl Trainer: host=\S+ pid=(\d+)", text)
+    return int(found[-1]) if found else None
+
+
+@pytest.mark.slow
+def test_a_dead_trainer_stops_the_run_naming_it_and_the_checkpoint_and_restart_on_failure_goes_on(tmp_path):
+    """kill -9 of the trainer's process: the run stops within seconds, the last line names the trainer and
+    the last checkpoint, and nothing is left behind. Resumed with trainer.restart_on_failure=true, a second
+    kill restarts it from its last checkpoint and the run ends its steps, each step logged once."""
+    from tests.test_app import app, descendants, wait_for_a_train_step
+    from forge_rl.metrics import read_metrics
+
+    run_dir = tmp_path / "run"
+    small = ["trainer.max_steps=4", "synchronous=true", "eval.interval=0", "trainer.checkpoint_every=1", "rollout.num_workers=2"]
+    first = app(run_dir, *small)
+    wait_for_a_train_step(first, run_dir, 2)
+    spawned, pid = descendants(first), _trainer_pid(run_dir)
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.time()
+    out, _ = first.communicate(timeout=300)
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert first.returncode == 1, out[-3000:]
+    assert lines[-1].startswith("stopped: the trainer (pid %d on " % pid) and "Last checkpoint: step " in lines[-1], lines[-5:]
+    assert "resume=true continues from it" in lines[-1] and "Traceback" not in out, out[-3000:]
+    print(f"the run stopped {time.time() - killed_at:.0f} s after the trainer was killed")
+    _, alive = psutil.wait_procs(spawned, timeout=30)
+    assert not alive, f"left behind: {[p.pid for p in alive]}"
+
+    log_size = (run_dir / "run.log").stat().st_size
+    second = app(run_dir, *small, "trainer.max_steps=8", "resume=true", "trainer.restart_on_failure=true")
+    deadline = time.time() + 600
+    while (pid := _trainer_pid(run_dir, log_size)) is None or not any(
+        r["step"] >= 5 and "train/loss" in r for r in read_metrics(run_dir)
+    ):
+        assert second.poll() is None and time.time() < deadline, second.stdout.read()[-3000:]
+        time.sleep(1)
+    os.kill(pid, signal.SIGKILL)
+    out, _ = second.communicate(timeout=900)
+    assert second.returncode == 0 and "trainer.restart_on_failure: starting again from step" in out, out[-3000:]
+    steps = [r["step"] for r in read_metrics(run_dir) if "train/loss" in r]
+    assert steps == list(range(1, 9)), steps
+    versions = [r["train/policy_version"] for r in read_metrics(run_dir) if "train/loss" in r]
+    assert versions == steps, versions
