@@ -196,6 +196,16 @@ class Generator(ForgeActor):
     @reports_dead_engine
     async def generate(self, prompt_token_ids: list[int], sampling: dict) -> list[Completion]:
         """Any caller, concurrent: n completions of one prompt. Waits while a weight swap is in progress."""
+        return await self._generate(prompt_token_ids, sampling)
+
+    @concurrent_endpoint
+    async def generate_batch(self, requests: list[tuple[list[int], dict]]) -> list[list[Completion] | Exception]:
+        """Any caller, concurrent: `generate` for many (prompt ids, sampling) requests in one call
+        (forge_rl/batching.py), run as concurrent engine requests, each with its own version. Per
+        request its completions, or the exception it raised (the others are unaffected)."""
+        return await asyncio.gather(*(self._generate(p, s) for p, s in requests), return_exceptions=True)
+
+    async def _generate(self, prompt_token_ids: list[int], sampling: dict) -> list[Completion]:
         from vllm.inputs import tokens_input
 
         params = sampling_params(sampling)

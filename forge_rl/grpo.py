@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import json
@@ -47,6 +48,7 @@ import torch
 
 from forge_rl import faults, store, weight_sync
 from forge_rl.actor import call, start_all, stop
+from forge_rl.batching import RequestBatcher
 from forge_rl.config import ConfigError, RunConfig, dump, parse_cli
 from forge_rl.envs import load_env_class
 from forge_rl.envs.client import EnvSession, EpisodeAborted, env_url
@@ -139,9 +141,15 @@ class Run:
     last_eval: dict = field(default_factory=dict)  # the last evaluation's figures, for the progress bar
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
+    batcher: RequestBatcher | None = None  # the games' requests, sent together (forge_rl/batching.py)
+
     async def generate(self, prompt_ids: list[int], params: dict) -> list[Completion]:
-        """One request to the policy service (whichever generator replica it routes to)."""
-        return await self.policy.route("generate", prompt_ids, params)
+        """One request to the policy service, sent with those of the other games in flight in one call
+        to whichever generator replica it routes to."""
+        if self.batcher is None:
+            send = lambda requests: self.policy.route("generate_batch", requests)  # noqa: E731
+            self.batcher = RequestBatcher(send, max_in_flight=len(self.policy.replicas))
+        return await self.batcher.generate(prompt_ids, params)
 
 
 _PROMPTS_WITH_UNKNOWN_WORDS: list[str] = []  # the first one found is reported, once per run
@@ -155,7 +163,19 @@ def prompt_ids(game, tokenizer, observation: dict, first_turn: bool, close_previ
     `close_previous`: the previous answer stopped without the end-of-turn token (constrained decoding
     samples the answer alone), so this turn starts by closing it.
     """
-    message = {"role": "user", "content": game.render_prompt(observation)}
+    text, ids = _turn_ids(tokenizer, game.render_prompt(observation), first_turn)
+    ids = list(ids)
+    if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids and not _PROMPTS_WITH_UNKNOWN_WORDS:
+        _PROMPTS_WITH_UNKNOWN_WORDS.append(text)  # the prompt's words are the app's to fix
+        logger.warning("the tokenizer does not know some words of this prompt (read as %s): %r", tokenizer.unk_token, text[:300])
+    return [tokenizer.eos_token_id] + ids if close_previous else ids
+
+
+@functools.lru_cache(maxsize=4096)
+def _turn_ids(tokenizer, content: str, first_turn: bool) -> tuple[str, tuple[int, ...]]:
+    """The text and ids of one user turn (see prompt_ids). Cached: a game's prompts repeat (BlackJack
+    has a few hundred), and rendering the chat template three times per turn cost more than the model."""
+    message = {"role": "user", "content": content}
     text = tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
     if not first_turn:
         # The turn as the template renders it after an earlier one: without what it puts only at the start
@@ -163,11 +183,7 @@ def prompt_ids(game, tokenizer, observation: dict, first_turn: bool, close_previ
         earlier = [{"role": "user", "content": "."}]
         before = tokenizer.apply_chat_template(earlier, tokenize=False)
         text = "\n" + tokenizer.apply_chat_template(earlier + [message], tokenize=False, add_generation_prompt=True)[len(before):]
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids and not _PROMPTS_WITH_UNKNOWN_WORDS:
-        _PROMPTS_WITH_UNKNOWN_WORDS.append(text)  # the prompt's words are the app's to fix
-        logger.warning("the tokenizer does not know some words of this prompt (read as %s): %r", tokenizer.unk_token, text[:300])
-    return [tokenizer.eos_token_id] + ids if close_previous else ids
+    return text, tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def answer_token_ids(game, tokenizer) -> list[int]:
@@ -401,9 +417,9 @@ async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
             while len(batch) < cfg.grpo.batch_size * cfg.grpo.group_size:
                 seeds = range(run.next_seed, run.next_seed + cfg.rollout.num_workers)
                 run.next_seed += cfg.rollout.num_workers
-                for group in await asyncio.gather(*(play_group(run, s) for s in seeds)):
-                    if group:
-                        await call(run.buffer, "add", group, timeout_s=BUFFER_TIMEOUT_S)
+                groups = [g for g in await asyncio.gather(*(play_group(run, s) for s in seeds)) if g]
+                # sent together: one round trip for all of them, not one after another
+                await asyncio.gather(*(call(run.buffer, "add", g, timeout_s=BUFFER_TIMEOUT_S) for g in groups))
                 batch = await call(run.buffer, "sample", run.version, timeout_s=BUFFER_TIMEOUT_S) or []
                 await check_groups_have_spread(run, filtered_at_step)
                 waiting_since = await warn_if_stalled(run, waiting_since)

@@ -224,6 +224,33 @@ def sampling_logits(logits: torch.Tensor, allowed_token_ids: list[int] | None, t
     return logits if temperature == 1.0 else logits / temperature
 
 
+def sampling_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, allowed_token_ids: list[int] | None = None, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of `targets` under the sampling distribution of `logits` (see `sampling_logits`), and
+    that distribution's logits: logits [B, T, V], targets [B, T] -> ([B, T], [B, T, V or A]).
+
+    Constrained (`allowed_token_ids`, A of them): only the A allowed logits are kept, so the softmax,
+    the entropy and their backward cost A, not V, per position; the other ids have probability 0,
+    which is why this equals the log-softmax of `sampling_logits` over the whole vocabulary. A target
+    outside the allowed ids (a prompt position, never trained) gets the same finite -1e9 / temperature
+    - logsumexp that masking the whole vocabulary gives it.
+    """
+    if allowed_token_ids is None:
+        logits = sampling_logits(logits, None, temperature)
+        return token_logprobs(logits, targets), logits
+    allowed = torch.as_tensor(list(allowed_token_ids), device=logits.device)
+    logits = sampling_logits(logits.index_select(-1, allowed), None, temperature)  # [B, T, A]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    where = torch.full((int(allowed.max()) + 1,), -1, dtype=torch.long, device=logits.device)
+    where[allowed] = torch.arange(len(allowed), device=logits.device)
+    index = where[targets.clamp(max=len(where) - 1)]
+    index = torch.where(targets < len(where), index, -1)  # [B, T] the target's place among the allowed ids, or -1
+    lp = logp.gather(-1, index.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    outside = -1e9 / temperature - torch.logsumexp(logits.float(), dim=-1)
+    return torch.where(index >= 0, lp, outside), logits
+
+
 def sequence_logprobs(
     model: torch.nn.Module,
     tokens: torch.Tensor,
@@ -234,11 +261,10 @@ def sequence_logprobs(
     """Log-prob of each token given those before it: tokens [B, T] -> [B, T] (position 0: 0).
 
     Positions are aligned with `tokens` like Episode.behaviour_logprobs, so masks and
-    behaviour log-probs index the same way. Returns (logprobs, logits [B, T-1, V] or None).
-    Of the sampling distribution: see `sampling_logits`.
+    behaviour log-probs index the same way. Returns (logprobs, logits [B, T-1, V] or None; [B, T-1, A]
+    over the allowed ids when constrained). Of the sampling distribution: see `sampling_logprobs`.
     """
-    logits = sampling_logits(model(tokens[:, :-1]), allowed_token_ids, temperature)  # [B, T-1, V]: position t predicts t+1
-    lp = token_logprobs(logits, tokens[:, 1:])  # [B, T-1]
+    lp, logits = sampling_logprobs(model(tokens[:, :-1]), tokens[:, 1:], allowed_token_ids, temperature)  # position t predicts t+1
     lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)  # [B, T]
     return lp, (logits if with_logits else None)
 

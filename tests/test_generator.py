@@ -122,6 +122,23 @@ def test_concurrent_requests_are_all_served(g):
     assert [len(r[0].token_ids) for r in results] == [5] * 6
 
 
+def test_generate_batch_answers_each_request_as_generate_would_and_isolates_a_bad_one(g):
+    """Generator.generate_batch (what forge_rl/batching.py sends): per request its own completions,
+    prompt ids, log-probs and version, the same as a request of its own; a bad request fails alone."""
+    greedy = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    prompts = [g.prompt, g.prompt[:-1], g.prompt]
+    requests = [(p, greedy) for p in prompts] + [(g.prompt, {**greedy, "n": 3, "temperature": 1.0, "seed": 4})]
+    requests.append((g.prompt, {"max_tokens": 4, "no_such_field": 1}))
+    *answers, sampled, bad = g.run(g.gen.generate_batch.call_one(requests))
+    for prompt, (answer,) in zip(prompts, answers):
+        alone = generate(g, prompt, **greedy)[0]
+        assert answer.prompt_ids == prompt and answer.token_ids == alone.token_ids
+        torch.testing.assert_close(torch.tensor(answer.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+        assert answer.policy_version == alone.policy_version == g.run(g.gen.current_version.call_one())
+    assert len(sampled) == 3 and all(len(c.token_ids) == 4 for c in sampled)
+    assert isinstance(bad, ValueError) and "no_such_field" in str(bad)
+
+
 def test_a_groups_games_at_one_prompt_share_one_request_each_sample_used_once(g):
     """forge_rl.grpo.SharedRequests on the real generator: the G games of a group share one request
     of n=G samples at the first turn, each game gets a different one; at the second turn the games that
