@@ -87,7 +87,7 @@ async def _start(run) -> ChatAgents:
         cfg.chat, cfg.generator.max_model_len,
     )
     await server.start()
-    # The SDK's own client on aiohttp: a request costs ~22% less CPU than on its default httpx2 transport
+    # The SDK's own client on aiohttp: a request costs 22-33% less CPU than on its default httpx2 transport
     # (docs/chat_agents.md), and the agents run in this process. Its pool keeps 100 connections alive.
     return ChatAgents(server, DefaultAioHttpClient())
 
