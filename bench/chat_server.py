@@ -3,10 +3,11 @@
 Baseline: the policy service's `generate` called with token ids, as the environment form's turns do.
 Measured: the same requests as chat completions through the ChatServer (forge_rl/chat_server.py) on
 this event loop, as a chat-agent run sends them: each request a new rollout's first turn, rendered
-with the chat template, recorded, answered in OpenAI's JSON. Two clients: one shared HTTP connection
-pool (the server's own cost), and a fresh `AsyncOpenAI` per request (what apps/blackjack/agent.py
-pays: one client per agent). Rounds alternate between the three so all see the same machine load.
-Figures only, no asserts.
+with the chat template, recorded, answered in OpenAI's JSON. Three clients: plain httpx on one
+connection pool (the server's own cost); `AsyncOpenAI` on a shared aiohttp pool (`http_client=`, what
+apps/blackjack/agent.py does with ctx.http_client); a fresh `AsyncOpenAI` per request (its own SSL
+context and connection, what an agent written `async with AsyncOpenAI(...)` pays per run). Rounds
+alternate between them so all see the same machine load. Figures only, no asserts.
 
     python bench/chat_server.py [--requests 64 --concurrency 16 --max-tokens 4 --rounds 3]
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
-from openai import AsyncOpenAI  # noqa: E402
+from openai import AsyncOpenAI, DefaultAioHttpClient  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from forge_rl.chat_server import ChatServer  # noqa: E402
@@ -57,6 +58,7 @@ async def main(args) -> None:
     url = await server.start()
     questions = [QUESTION.format(2 + i % 9, 4 + i % 17) for i in range(args.requests)]
     http = httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=args.concurrency))
+    pool = DefaultAioHttpClient()  # as forge_rl/agents.py gives agents in ctx.http_client
 
     async def direct(question):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -69,13 +71,24 @@ async def main(args) -> None:
         response.raise_for_status()
         await server.end_rollout(rollout.rollout_id, 0.0)
 
+    async def sdk_shared_pool(question):
+        rollout = server.open_rollout()
+        client = AsyncOpenAI(base_url=f"{url}/s/{rollout.rollout_id}/v1", api_key="any", http_client=pool)
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": question}])
+        await server.end_rollout(rollout.rollout_id, 0.0)
+
     async def sdk_per_request(question):
         rollout = server.open_rollout()
         async with AsyncOpenAI(base_url=f"{url}/s/{rollout.rollout_id}/v1", api_key="any") as client:
             await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": question}])
         await server.end_rollout(rollout.rollout_id, 0.0)
 
-    kinds = {"direct generate": direct, "chat server, shared HTTP client": shared_client, "chat server, AsyncOpenAI per request": sdk_per_request}
+    kinds = {
+        "direct generate": direct,
+        "chat server, httpx on one pool": shared_client,
+        "chat server, AsyncOpenAI on one pool": sdk_shared_pool,
+        "chat server, AsyncOpenAI per request": sdk_per_request,
+    }
     rates = {k: [] for k in kinds}
     await bounded(args.concurrency, [lambda q=q: direct(q) for q in questions[:8]])  # warm-up
     for _ in range(args.rounds):
@@ -84,6 +97,7 @@ async def main(args) -> None:
             await bounded(args.concurrency, [lambda q=q, kind=kind: kind(q) for q in questions])
             rates[name].append(args.requests / (time.perf_counter() - start))
     await http.aclose()
+    await pool.aclose()
     await server.stop()
     await policy.stop()
 
@@ -91,8 +105,9 @@ async def main(args) -> None:
     print(f"{args.requests} requests per round, {args.concurrency} concurrent, {args.max_tokens} tokens each, {args.rounds} rounds (median):")
     for name, values in rates.items():
         print(f"  {name:40s} {statistics.median(values):7.1f} requests/s   ratio {statistics.median(values) / base:.2f}")
-    overhead = 1 / statistics.median(rates["chat server, shared HTTP client"]) - 1 / base
-    print(f"  the server adds {1000 * overhead:.1f} ms per request at this concurrency")
+    for name in ("chat server, AsyncOpenAI on one pool", "chat server, AsyncOpenAI per request"):
+        overhead = 1 / statistics.median(rates[name]) - 1 / base
+        print(f"  {name.removeprefix('chat server, ')} adds {1000 * overhead:.1f} ms per request at this concurrency")
 
 
 if __name__ == "__main__":

@@ -19,17 +19,19 @@ INVALID_ANSWER_PENALTY = 1.0  # a reply that is neither HIT nor STAND ends the h
 
 
 async def run_agent(ctx) -> float | None:
-    """One hand; returns None so that the environment's reward (the hand's return) stands."""
-    async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, timeout=120) as client:
-        observation = (await ctx.env.reset(seed=ctx.seed)).observation
-        messages = []
-        while not observation["done"]:
-            messages.append({"role": "user", "content": render_prompt(observation)})
-            response = await client.chat.completions.create(model=ctx.model, messages=messages)
-            answer = response.choices[0].message.content or ""
-            messages.append({"role": "assistant", "content": answer})
-            action = parse_action(answer)
-            if action is None:
-                return reward(observation, True, INVALID_ANSWER_PENALTY)
-            observation = (await ctx.env.step(action)).observation
+    """One hand; returns None so that the environment's reward (the hand's return) stands.
+    The client shares the run's connection pool (ctx.http_client): a hand is two requests or so, less
+    than what a client of its own costs to make. The pool is the run's to close, not the hand's."""
+    client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client, timeout=120)
+    observation = (await ctx.env.reset(seed=ctx.seed)).observation
+    messages = []
+    while not observation["done"]:
+        messages.append({"role": "user", "content": render_prompt(observation)})
+        response = await client.chat.completions.create(model=ctx.model, messages=messages)
+        answer = response.choices[0].message.content or ""
+        messages.append({"role": "assistant", "content": answer})
+        action = parse_action(answer)
+        if action is None:
+            return reward(observation, True, INVALID_ANSWER_PENALTY)
+        observation = (await ctx.env.step(action)).observation
     return None
