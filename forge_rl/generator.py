@@ -199,11 +199,16 @@ class Generator(ForgeActor):
         return await self._generate(prompt_token_ids, sampling)
 
     @concurrent_endpoint
+    @reports_dead_engine
     async def generate_batch(self, requests: list[tuple[list[int], dict]]) -> list[list[Completion] | Exception]:
         """Any caller, concurrent: `generate` for many (prompt ids, sampling) requests in one call
         (forge_rl/batching.py), run as concurrent engine requests, each with its own version. Per
-        request its completions, or the exception it raised (the others are unaffected)."""
-        return await asyncio.gather(*(self._generate(p, s) for p, s in requests), return_exceptions=True)
+        request its completions, or the exception it raised (the others are unaffected); if the engine
+        died meanwhile, the whole call fails as ReplicaDead, so that the service retries it elsewhere."""
+        results = await asyncio.gather(*(self._generate(p, s) for p, s in requests), return_exceptions=True)
+        if self.engine.errored:
+            raise RuntimeError("the vLLM engine died during the batch")
+        return results
 
     async def _generate(self, prompt_token_ids: list[int], sampling: dict) -> list[Completion]:
         from vllm.inputs import tokens_input

@@ -40,7 +40,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +65,7 @@ from forge_rl.types import Completion, Episode
 
 logger = logging.getLogger("forge_rl.grpo")
 BUFFER_TIMEOUT_S = 60.0  # per call to the replay buffer actor (every endpoint returns at once)
+EXIT_GRACE_S = 60.0  # the longest the interpreter may take to exit after the run has stopped
 STALL_WARNING_S = 60.0  # a training loop without a step for this long says what it waits for
 
 
@@ -727,6 +730,21 @@ def console_to_log(run_dir: Path) -> Path:
     return log
 
 
+def exit_within(seconds: float, code: int) -> None:
+    """End the process with `code` even if the interpreter's exit hangs. After a host was lost, a Monarch
+    runtime thread was seen to keep the exit waiting after main had returned; a daemon timer ends the
+    process then (the run has already stopped its actors and said why)."""
+
+    def leave():
+        sys.stderr.write(f"forge_rl: the interpreter did not exit within {seconds:g} s; leaving with status {code}\n")
+        sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(seconds, leave)
+    timer.daemon = True
+    timer.start()
+
+
 def print_task_stacks() -> None:
     """`kill -USR1 <pid>` prints where every asyncio task of the controller is waiting."""
     for task in asyncio.all_tasks():
@@ -795,17 +813,21 @@ if __name__ == "__main__":
     # SIGINT is restored first: a run started in the background by a script inherits it ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    code = 0
     try:
         asyncio.run(faults.restarting(main, config))  # again from the last checkpoint if trainer.restart_on_failure
     except faults.TrainerLost as e:
         print(f"stopped: {e}", file=sys.stderr)
-        sys.exit(1)
+        code = 1
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        code = 2
     except KeyboardInterrupt:
         print("interrupted: actors stopped, checkpoints kept in", Path(config.run_dir) / "checkpoints", file=sys.stderr)
-        sys.exit(130)
+        code = 130
     except Exception:
         print(f"failed (the traceback below); every process's output is in {log_file}", file=sys.stderr)
-        raise
+        traceback.print_exc()
+        code = 1
+    exit_within(EXIT_GRACE_S, code)
+    sys.exit(code)
