@@ -147,7 +147,7 @@ class OptimizerConfig:
 class TrainerConfig:
     procs: int = 1  # ranks per host; > 1 in all shards with FSDP2
     hosts: int = 1  # hosts the trainer mesh spans (cluster.workers or cluster.kubernetes)
-    micro_batch_size: int = 32  # sequences per forward/backward on one rank (memory vs speed)
+    micro_batch_size: int = 256  # sequences per forward/backward on one rank (memory vs speed)
     max_steps: int = 200
     checkpoint_every: int = 25  # steps; 0 disables (the last step is checkpointed too)
     timeout_s: float = 3600.0  # per call to the trainer (train step, weights push, checkpoint)
