@@ -104,16 +104,21 @@ def test_bad_cluster_config_is_refused_with_the_key(overrides, message):
 RANK_LINE = re.compile(r"forge_rl Trainer: host=(\S+) pid=\d+ RANK=(\d+) WORLD_SIZE=(\d+) LOCAL_RANK=(\d+) MASTER_ADDR=(\S+)")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1200)  # minutes on a quiet machine; far more on a loaded one, never a hang
-def test_trainer_on_two_hosts_matches_one_host(workers, tmp_path):
+def run_script_on_workers(script: str, tmp_path, workers) -> dict:
+    """A tests/ script driving the tiny model across the two workers; its last stdout line, as JSON."""
     model_dir = build_tiny_model(tmp_path / "model", seed=0)
     out = subprocess.run(
-        [sys.executable, "tests/multihost_trainer.py", str(model_dir), *workers.urls],
+        [sys.executable, script, str(model_dir), *workers.urls],
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1100,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # minutes on a quiet machine; far more on a loaded one, never a hang
+def test_trainer_on_two_hosts_matches_one_host(workers, tmp_path):
+    result = run_script_on_workers("tests/multihost_trainer.py", tmp_path, workers)
     ranks = sorted((r["host"], r["RANK"], r["WORLD_SIZE"], r["LOCAL_RANK"], r["MASTER_ADDR"]) for r in result["ranks"])
     assert ranks == [("127.0.0.2", "0", "2", "0", "127.0.0.2"), ("127.0.0.3", "1", "2", "0", "127.0.0.2")]
     (first, first_b), (second, _) = result["two_hosts"]
@@ -129,13 +134,7 @@ def test_trainer_on_two_hosts_matches_one_host(workers, tmp_path):
 def test_weights_cross_hosts_by_broadcast_bit_exact(workers, tmp_path):
     """Trainer on 127.0.0.2, a generator replica on 127.0.0.3: auto picks the broadcast, over gloo bound to
     the addresses the hosts' agents report, and the served log-probs are bit-exact after the update."""
-    model_dir = build_tiny_model(tmp_path / "model", seed=0)
-    out = subprocess.run(
-        [sys.executable, "tests/multihost_weights.py", str(model_dir), *workers.urls],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1100,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = run_script_on_workers("tests/multihost_weights.py", tmp_path, workers)
     assert r["plan"] == ["broadcast", "127.0.0.2", ["127.0.0.3"]]
     assert (r["trainer_where"], r["generator_where"]) == ("127.0.0.2", "127.0.0.3")
     assert r["zeros"] != r["original"]  # the all-zero update took effect, so the next one has work to do
