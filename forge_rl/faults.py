@@ -90,9 +90,12 @@ class TrainerLost(RuntimeError):
 
 
 def last_checkpoint(run_dir: str | Path) -> dict | None:
-    """What checkpoints/latest.json says (step, version, next_seed, path), None before the first checkpoint."""
+    """What checkpoints/latest.json says (step, version, next_seed, path: made whole), None before the first checkpoint."""
     latest = Path(run_dir) / "checkpoints" / "latest.json"
-    return json.loads(latest.read_text()) if latest.exists() else None
+    if not latest.exists():
+        return None
+    progress = json.loads(latest.read_text())
+    return {**progress, "path": str(latest.parent / progress["path"])}
 
 
 def trainer_lost(run, error: BaseException, pids: list[str]) -> TrainerLost:

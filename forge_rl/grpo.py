@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -235,12 +236,25 @@ class SharedRequests:
     known from the request before it: those that drew the same answer there. Each sample goes to one
     game only. A game whose prompt is not the one its siblings reached (an environment that is not
     deterministic in its seed) asks alone. `generate(prompt_ids, sampling) -> list[Completion]`.
+
+    With `seed` (the run's seed and the group's deal) every request carries a vLLM sampling seed derived
+    from it, the prompt and how many requests that prompt had before in this group: the group's games
+    are then a function of the weights and the deal alone, whatever the timing, so a resumed run samples
+    what the uninterrupted run sampled (vLLM gives the n samples of one request seeds seed, seed + 1, ...).
     """
 
-    def __init__(self, generate, group_size: int, sampling: dict):
-        self.generate, self.group_size, self.sampling = generate, group_size, sampling
+    def __init__(self, generate, group_size: int, sampling: dict, seed: tuple | None = None):
+        self.generate, self.group_size, self.sampling, self.seed = generate, group_size, sampling, seed
         self.shared: dict[tuple, list] = {}  # prompt ids -> [future of its n completions, n, how many taken]
         self.reached: dict = {}  # (previous prompt ids, previous answer ids), None first -> prompt reached
+        self.requests_at: dict[tuple, int] = {}  # prompt ids -> requests sent for it so far
+
+    def _params(self, prompt: tuple, **extra) -> dict:
+        params = {**self.sampling, **extra}
+        if self.seed is not None:
+            k = self.requests_at[prompt] = self.requests_at.get(prompt, -1) + 1
+            params["seed"] = request_seed(self.seed, prompt, k)
+        return params
 
     async def answer(self, prompt_ids: list[int], previous: tuple | None = None) -> Completion:
         """A completion for this game. `previous`: (prompt ids, answer ids) of its previous turn, None on its first."""
@@ -254,12 +268,19 @@ class SharedRequests:
             n = 1
         request = self.shared.get(prompt)
         if request is None and n > 1:
-            request = self.shared[prompt] = [asyncio.ensure_future(self.generate(list(prompt), {**self.sampling, "n": n})), n, 0]
+            request = self.shared[prompt] = [asyncio.ensure_future(self.generate(list(prompt), self._params(prompt, n=n))), n, 0]
         if request is None or request[2] >= request[1]:
-            (completion,) = await self.generate(list(prompt), self.sampling)
+            (completion,) = await self.generate(list(prompt), self._params(prompt))
             return completion
         index, request[2] = request[2], request[2] + 1  # taken before awaiting: the other games take theirs meanwhile
         return (await asyncio.shield(request[0]))[index]
+
+
+def request_seed(base: tuple, prompt: tuple, k: int) -> int:
+    """A vLLM sampling seed that depends on nothing but its arguments (not on Python's hash salt); 62 bits, as
+    vLLM adds the sample index to it and keeps it in an int64."""
+    digest = hashlib.blake2b(repr((base, prompt, k)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 class GreedyAnswers:
@@ -326,7 +347,8 @@ def player(run: Run):
 async def play_group(run: Run, seed: int) -> list[Episode] | None:
     """G games dealt from one seed: the group GRPO compares (same cards, different decisions)."""
     shared = SharedRequests(
-        run.generate, run.cfg.grpo.group_size, sampling(run.cfg, run.allowed_token_ids, answer_length=run.answer_length)
+        run.generate, run.cfg.grpo.group_size, sampling(run.cfg, run.allowed_token_ids, answer_length=run.answer_length),
+        seed=(run.cfg.seed, seed),
     )
     results = await asyncio.gather(
         *(player(run)(run, seed, f"seed{seed}", shared) for _ in range(run.cfg.grpo.group_size))
@@ -421,8 +443,8 @@ async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
                 seeds = range(run.next_seed, run.next_seed + cfg.rollout.num_workers)
                 run.next_seed += cfg.rollout.num_workers
                 groups = [g for g in await asyncio.gather(*(play_group(run, s) for s in seeds)) if g]
-                # sent together: one round trip for all of them, not one after another
-                await asyncio.gather(*(call(run.buffer, "add", g, timeout_s=BUFFER_TIMEOUT_S) for g in groups))
+                # one message for all of them, in seed order: the batch is the same whatever the timing
+                await call(run.buffer, "add_groups", groups, timeout_s=BUFFER_TIMEOUT_S)
                 batch = await call(run.buffer, "sample", run.version, timeout_s=BUFFER_TIMEOUT_S) or []
                 await check_groups_have_spread(run, filtered_at_step)
                 waiting_since = await warn_if_stalled(run, waiting_since)
@@ -566,12 +588,16 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 
 async def save_checkpoint(run: Run) -> None:
-    path = checkpoint_dir(Path(run.cfg.run_dir)) / f"step_{run.step:06d}"
+    """The trainer's state, and beside it where the loops were (progress.json); latest.json is a copy of
+    the newest one. Paths are relative to the checkpoints folder, so a run directory can be moved or
+    copied, and any checkpoint resumed from by copying its progress.json over latest.json."""
+    folder = checkpoint_dir(Path(run.cfg.run_dir))
+    path = folder / f"step_{run.step:06d}"
     await call(run.trainer, "save_checkpoint", str(path), timeout_s=run.cfg.trainer.timeout_s)
-    progress = {"step": run.step, "version": run.version, "next_seed": run.next_seed, "path": str(path)}
-    latest = checkpoint_dir(Path(run.cfg.run_dir)) / "latest.json"
-    latest.with_suffix(".tmp").write_text(json.dumps(progress))
-    latest.with_suffix(".tmp").replace(latest)  # atomic: a crash never leaves a half-written pointer
+    progress = json.dumps({"step": run.step, "version": run.version, "next_seed": run.next_seed, "path": path.name})
+    for pointer in (path / "progress.json", folder / "latest.json"):
+        pointer.with_suffix(".tmp").write_text(progress)
+        pointer.with_suffix(".tmp").replace(pointer)  # atomic: a crash never leaves a half-written pointer
 
 
 async def resume(run: Run) -> None:
@@ -579,7 +605,8 @@ async def resume(run: Run) -> None:
     if not latest.exists():
         raise ConfigError(f"resume=true but {latest} does not exist: no checkpoint to resume from")
     progress = json.loads(latest.read_text())
-    restored = await call(run.trainer, "load_checkpoint", progress["path"], timeout_s=run.cfg.trainer.timeout_s)
+    path = latest.parent / progress["path"]  # relative (an absolute path, as older runs wrote, stays as is)
+    restored = await call(run.trainer, "load_checkpoint", str(path), timeout_s=run.cfg.trainer.timeout_s)
     run.step, run.version, run.next_seed = progress["step"], restored["policy_version"], progress["next_seed"]
     run.metrics.drop_after(run.step)  # the rows of steps after the checkpoint are logged again
     await call(run.trainer, "push_weights", run.version, timeout_s=run.cfg.trainer.timeout_s)

@@ -110,6 +110,12 @@ class ReplayBufferActor(ForgeActor):
         return self.buffer.add(group)
 
     @endpoint
+    async def add_groups(self, groups: list[list[Episode]]) -> list[bool]:
+        """Training loop (synchronous): store a round's groups in one message, in the order given, so
+        that which of them make the batch does not depend on how messages raced."""
+        return [self.buffer.add(group) for group in groups]
+
+    @endpoint
     async def sample(self, current_version: int) -> list[Episode] | None:
         """Training loop: a batch of whole groups, or None (never waits)."""
         return self.buffer.sample(current_version)

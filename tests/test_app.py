@@ -1,21 +1,25 @@
 """The BlackJack app as users run it: `python -m forge_rl.grpo --config ...` in a subprocess, with
 real Monarch actors, vLLM, TorchStore and a BlackJack server on loopback.
 
-Run 1 trains two steps (synchronous: generate, then train, at temperature 0.7) and checkpoints its
-last step; run 2 resumes from that checkpoint (same step and policy version onwards) with rollouts
-overlapping training, and is stopped with Ctrl-C mid-run, which must end it cleanly with no process
-left behind.
+Run 1 trains five steps (synchronous: generate, then train, at temperature 0.7) and checkpoints; run 2
+resumes a copy of it from step 3, must repeat run 1's losses, and is stopped with Ctrl-C mid-run, which
+must end it cleanly with no process, shared-memory object or weights file left behind.
 """
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from forge_rl.config import LoggingConfig
 from forge_rl.metrics import MetricsLogger, read_metrics
@@ -45,6 +49,25 @@ def descendants(proc: subprocess.Popen) -> list[psutil.Process]:
         return []
 
 
+def communicate_watching(proc: subprocess.Popen, timeout: float) -> tuple[str, list[psutil.Process]]:
+    """proc.communicate(), and every process it started meanwhile (to check that none outlives it)."""
+    spawned, done = {}, threading.Event()
+
+    def watch():
+        while not done.is_set():
+            spawned.update((p.pid, p) for p in descendants(proc))
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        done.set()
+        watcher.join()
+    return out, list(spawned.values())
+
+
 def wait_for_a_train_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
     deadline = time.time() + 600
     while time.time() < deadline and not any(r["step"] >= step and "train/loss" in r for r in read_metrics(run_dir)):
@@ -52,8 +75,9 @@ def wait_for_a_train_step(proc: subprocess.Popen, run_dir: Path, step: int) -> N
         time.sleep(1)
 
 
-def stop_and_check_nothing_is_left(proc: subprocess.Popen, sig: int) -> str:
-    """Send `sig` to a running app; it must exit with 130 and take every process it started with it."""
+def stop_and_check_nothing_is_left(proc: subprocess.Popen, sig: int, shm_before: set[str]) -> str:
+    """Send `sig` to a running app; it must exit with 130 and take every process it started with it, and
+    leave no shared-memory object (`shm_before`: /dev/shm before it started) nor weights file behind."""
     spawned = descendants(proc)
     assert len(spawned) >= 4, "expected the app's actor and engine processes"
     proc.send_signal(sig)
@@ -61,23 +85,57 @@ def stop_and_check_nothing_is_left(proc: subprocess.Popen, sig: int) -> str:
     assert proc.returncode == 130 and "interrupted" in out, out[-3000:]
     _, alive = psutil.wait_procs(spawned, timeout=30)
     assert not alive, f"processes left behind after {signal.Signals(sig).name}: {[p.cmdline()[:3] for p in alive]}"
+    assert not leftovers(shm_before), f"left behind after {signal.Signals(sig).name}: {leftovers(shm_before)}"
     return out
 
 
+def shared_memory() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def leftovers(shm_before: set[str]) -> list[str]:
+    """Objects in /dev/shm that appeared since `shm_before` and that no live process has open or mapped,
+    twice 5 s apart (so another program's segments in use, or being set up, are not counted), and weights
+    files in the temp dir."""
+
+    def unused() -> set[str]:
+        in_use = set()
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                in_use.update(m.path for m in p.memory_maps(grouped=True))
+                in_use.update(f.path for f in p.open_files())
+        return {f"/dev/shm/{name}" for name in shared_memory() - shm_before} - in_use
+
+    found = unused()
+    if found:
+        time.sleep(5)
+        found &= unused()
+    return sorted(found) + [str(p) for p in Path(tempfile.gettempdir()).glob("forge_rl_weights_*")]
+
+
 def test_train_checkpoint_resume_and_ctrl_c(tmp_path):
+    """Run 1 trains 5 steps and checkpoints at step 3 and at its end; run 2, a copy of its directory sent
+    back to step 3, resumes there and must train as run 1 did (synchronous runs are deterministic in their
+    seed: the deals follow the data position, each request carries a sampling seed of its deal, prompt and
+    count, and a round's groups enter the buffer in seed order), then is stopped with Ctrl-C."""
     run_dir = tmp_path / "run"
-    # eval.interval=5 > max_steps: the evaluation at step 2 is the one every run makes of its final policy,
-    # and checkpoint_every=5 > max_steps: the checkpoint of step 2 is the one every run makes at its end.
-    # 3 workers for batches of 2 groups: each round of play leaves a group over for the next step.
-    first = app(run_dir, "trainer.max_steps=2", "synchronous=true", "eval.interval=5", "trainer.checkpoint_every=5",
-                "rollout.num_workers=3", "sampling.temperature=0.7")
-    out, _ = first.communicate(timeout=600)
+    # eval.interval=7 > max_steps: the evaluation at step 5 is the one every run makes of its final policy,
+    # and checkpoint_every=3: step 5's checkpoint is the one every run makes at its end. 3 workers for
+    # batches of 2 groups: each round leaves a group over, and which one is trained must not depend on timing.
+    # A constant LR, so that run 2's longer max_steps leaves the schedule alone.
+    same = ["synchronous=true", "eval.interval=7", "trainer.checkpoint_every=3", "rollout.num_workers=3",
+            "sampling.temperature=0.7", "trainer.optimizer.schedule=constant"]
+    shm_before = shared_memory()
+    first = app(run_dir, "trainer.max_steps=5", *same)
+    out, spawned = communicate_watching(first, timeout=600)
     assert first.returncode == 0, out[-3000:]
+    _, alive = psutil.wait_procs(spawned, timeout=30)
+    assert not alive and not leftovers(shm_before), f"left behind by a run that ended: {alive} {leftovers(shm_before)}"
 
     rows = read_metrics(run_dir)
     references = rows.pop(0)  # logged once at the start: the reference policies on the eval deals
     assert references["step"] == 0 and -1 <= references["eval/reference/basic_strategy"] <= 1
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     for row in rows:  # synchronous is on-policy: every group of a step sampled by the weights it trains
         assert row["train/policy_age"] == 0, "a synchronous step trained on data of an older version"
         # ...so the PPO ratio is 1, at temperature 0.7 too (the trainer scores logits / temperature)
@@ -98,18 +156,31 @@ def test_train_checkpoint_resume_and_ctrl_c(tmp_path):
     assert "group_size: 4" in (run_dir / "config.yaml").read_text()
     assert list((run_dir / "tensorboard").iterdir())
     latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
-    assert latest["step"] == 2 and latest["version"] == 2 and last["train/policy_version"] == 2
+    assert latest["step"] == 5 and latest["version"] == 5 and last["train/policy_version"] == 5
 
-    # Resume: continues at step 3 with policy version 3, then Ctrl-C.
-    second = app(run_dir, "resume=true", "trainer.max_steps=50", "synchronous=false")  # rollouts overlap training
-    wait_for_a_train_step(second, run_dir, 3)
-    resumed = [r for r in read_metrics(run_dir) if r["step"] >= 3 and "train/loss" in r]
-    assert resumed and resumed[0]["step"] == 3
-    assert resumed[0]["train/policy_version"] == 3, "resume must continue the policy version"
-
-    out = stop_and_check_nothing_is_left(second, signal.SIGINT)
+    # Resume a copy from step 3 (a run directory can be moved: checkpoint paths are relative), then Ctrl-C.
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(run_dir, resumed_dir)
+    checkpoints = resumed_dir / "checkpoints"
+    shutil.copy(checkpoints / "step_000003" / "progress.json", checkpoints / "latest.json")
+    metrics = resumed_dir / "metrics.jsonl"  # as if it had stopped after step 3 (the resume drops later rows too)
+    metrics.write_text("".join(line for line in metrics.read_text().splitlines(True) if json.loads(line)["step"] <= 3))
+    shm_before = shared_memory()
+    second = app(resumed_dir, "resume=true", "trainer.max_steps=50", *same)
+    wait_for_a_train_step(second, resumed_dir, 5)
+    resumed = [r for r in read_metrics(resumed_dir) if r["step"] >= 4 and "train/loss" in r]
+    assert resumed[0]["step"] == 4 and resumed[0]["train/policy_version"] == 4, "resume continues step and version"
+    out = stop_and_check_nothing_is_left(second, signal.SIGINT, shm_before)
     assert "learning curve" in out
-    rows = read_metrics(run_dir)
+
+    def trained(rows):
+        return {r["step"]: (r["train/loss"], r["train/batch_reward"], r["train/entropy"]) for r in rows if "train/loss" in r}
+
+    straight, again = trained(rows), trained(read_metrics(resumed_dir))
+    assert len(set(straight.values())) == 5, "every step trained on other data (else the comparison says little)"
+    for step in (4, 5):  # step 4: same weights and data; step 5: the restored optimizer state made the same update
+        assert again[step] == pytest.approx(straight[step], rel=1e-5, abs=1e-7), (step, again[step], straight[step])
+    rows = read_metrics(resumed_dir)
     assert sum("eval/reference/basic_strategy" in r for r in rows) == 1, "the references are logged once per run_dir"
     steps = [r["step"] for r in rows if "train/loss" in r]
     assert steps == sorted(set(steps)), f"a step logged twice: {steps}"
@@ -136,6 +207,7 @@ def test_sigterm_stops_like_ctrl_c(tmp_path):
     """kubectl delete or `timeout` send SIGTERM: the run must stop as cleanly as on Ctrl-C, also when a
     script started it in the background (SIGINT ignored, which the SIGTERM handler relies on)."""
     run_dir = tmp_path / "run"
-    proc = app(run_dir, "trainer.max_steps=50", "eval.interval=0", sigint_ignored=True)
+    shm_before = shared_memory()
+    proc = app(run_dir, "trainer.max_steps=50", "eval.interval=0", "synchronous=false", sigint_ignored=True)  # rollouts overlap training
     wait_for_a_train_step(proc, run_dir, 1)
-    stop_and_check_nothing_is_left(proc, signal.SIGTERM)
+    stop_and_check_nothing_is_left(proc, signal.SIGTERM, shm_before)

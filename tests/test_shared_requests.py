@@ -56,3 +56,32 @@ def test_greedy_answers_ask_once_per_distinct_prompt():
     answers = asyncio.run(evaluation())
     assert len(answers) == 12 and sorted(set(calls)) == [((5, 0), 1), ((5, 1), 1), ((5, 2), 1)]
     assert len(calls) == 3
+
+
+def test_seeded_requests_depend_on_the_deal_and_prompt_not_on_timing():
+    """A resumed run must sample what the uninterrupted run sampled: each request's vLLM seed is a function of
+    (run seed, deal), the prompt and how many requests that prompt had before, not of which game asked first."""
+
+    def seeds_of(order):
+        sent = []
+
+        async def generate(prompt_ids, sampling):
+            sent.append((tuple(prompt_ids), sampling["n"] if "n" in sampling else 1, sampling["seed"]))
+            return [Completion(prompt_ids=list(prompt_ids), token_ids=[10 + i], logprobs=[-0.5], text=str(i),
+                               finish_reason="length", policy_version=0) for i in range(sampling.get("n", 1))]
+
+        shared = SharedRequests(generate, 2, {"temperature": 1.0}, seed=(0, 123))
+
+        async def group():
+            firsts = await asyncio.gather(*(shared.answer([1, 2]) for _ in range(2)))
+            for c in sorted(firsts, key=lambda c: c.token_ids, reverse=order):  # games move on in either order
+                await shared.answer([1, 2, *c.token_ids], ((1, 2), tuple(c.token_ids)))
+
+        asyncio.run(group())
+        return sorted(sent)
+
+    assert seeds_of(False) == seeds_of(True)
+    seeds = [seed for _, _, seed in seeds_of(False)]
+    assert len(set(seeds)) == 3 and all(0 <= s < 2**62 for s in seeds)
+    other_deal = SharedRequests(None, 2, {}, seed=(0, 124))._params((1, 2))["seed"]
+    assert other_deal not in seeds
