@@ -185,11 +185,12 @@ def test_a_dead_trainer_stops_the_run_naming_it_and_the_checkpoint_and_restart_o
     """kill -9 of the trainer's process: the run stops within seconds, the last line names the trainer and
     the last checkpoint, and nothing is left behind. Resumed with trainer.restart_on_failure=true, a second
     kill restarts it from its last checkpoint and the run ends its steps, each step logged once."""
-    from tests.test_app import app, descendants, wait_for_a_train_step
+    from tests.test_app import app, descendants, leftovers, shared_memory, wait_for_a_train_step
     from forge_rl.metrics import read_metrics
 
     run_dir = tmp_path / "run"
     small = ["trainer.max_steps=4", "synchronous=true", "eval.interval=0", "trainer.checkpoint_every=1", "rollout.num_workers=2"]
+    shm_before = shared_memory()
     first = app(run_dir, *small)
     wait_for_a_train_step(first, run_dir, 2)
     spawned, pid = descendants(first), _trainer_pid(run_dir)
@@ -203,6 +204,7 @@ def test_a_dead_trainer_stops_the_run_naming_it_and_the_checkpoint_and_restart_o
     print(f"the run stopped {time.time() - killed_at:.0f} s after the trainer was killed")
     _, alive = psutil.wait_procs(spawned, timeout=30)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
+    assert not leftovers(shm_before), f"left behind after the trainer's kill -9: {leftovers(shm_before)}"
 
     log_size = (run_dir / "run.log").stat().st_size
     second = app(run_dir, *small, "trainer.max_steps=8", "resume=true", "trainer.restart_on_failure=true")
