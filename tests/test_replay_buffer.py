@@ -101,10 +101,14 @@ def test_actor_endpoints():
             batch = await actor.sample.call_one(4)
             assert [e.group_id for e in batch] == ["a", "a", "b", "b"]
             torch.testing.assert_close(batch[0].behaviour_logprobs, torch.tensor([0.0, 0.0, -0.5, -0.7]))
+            # a round's groups in one message: kept in the order given (the batch is then the first ones)
+            added = await actor.add_groups.call_one([group("e", 4), group("flat2", 4, (1.0, 1.0)), group("d", 4), group("f", 4)])
+            assert added == [True, False, True, True]
+            assert [e.group_id for e in await actor.sample.call_one(4)] == ["e", "e", "d", "d"]
             await actor.add.call_one(group("c", 4))
             await actor.clear.call_one()
             stats = await actor.stats.call_one()
-            assert stats["groups"] == 0 and stats["filtered_zero_spread"] == 1 and stats["sampled"] == 2
+            assert stats["groups"] == 0 and stats["filtered_zero_spread"] == 2 and stats["sampled"] == 4
         finally:
             await stop(actor)
 
