@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from apps.blackjack import game as blackjack  # noqa: E402
-from forge_rl import grpo  # noqa: E402
+from forge_rl import grpo, play  # noqa: E402
 from forge_rl.config import load_config  # noqa: E402
 from forge_rl.envs.blackjack import BlackJackAction, BlackJackEnvironment  # noqa: E402
 from forge_rl.envs.client import env_url  # noqa: E402
@@ -53,7 +53,7 @@ class InProcessLoop:
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.allowed = grpo.answer_token_ids(blackjack, self.tokenizer)
+        self.allowed = play.answer_token_ids(blackjack, self.tokenizer)
         o = cfg.trainer.optimizer
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(0.9, 0.95), weight_decay=o.weight_decay, foreach=True)
         self.next_seed = 0
@@ -69,7 +69,7 @@ class InProcessLoop:
         self.next_seed += cfg.grpo.batch_size
         envs = [BlackJackEnvironment() for _ in seeds]
         obs = [e.reset(seed=s).model_dump() for e, s in zip(envs, seeds)]
-        convs = [Conversation(grpo.prompt_ids(blackjack, tok, o, True)) for o in obs]
+        convs = [Conversation(play.prompt_ids(blackjack, tok, o, True)) for o in obs]
         self.model.eval()
         for turn in range(cfg.rollout.max_turns):
             live = [i for i, o in enumerate(obs) if not o["done"]]
@@ -77,7 +77,7 @@ class InProcessLoop:
                 break
             if turn:
                 for i in live:
-                    convs[i].add_turn(grpo.prompt_ids(blackjack, tok, obs[i], False, close_previous=True))
+                    convs[i].add_turn(play.prompt_ids(blackjack, tok, obs[i], False, close_previous=True))
             length = max(len(convs[i].tokens) for i in live)
             ids = torch.tensor([[tok.pad_token_id] * (length - len(convs[i].tokens)) + convs[i].tokens for i in live])
             out = self.model.generate(

@@ -75,7 +75,7 @@ async def chat_agents(run) -> ChatAgents:
 async def _start(run) -> ChatAgents:
     from openai import DefaultAioHttpClient
 
-    from forge_rl.grpo import sampling
+    from forge_rl.play import sampling
 
     async def generate(prompt_ids, params, session):
         return await run.policy.route("generate", prompt_ids, params, session=session)
@@ -102,10 +102,10 @@ async def stop_chat_server(run) -> None:
 
 
 async def play_agent(run, seed: int, group_id: str, asks, reset_args: dict | None = None):
-    """One agent run on its own rollout and environment session (forge_rl.grpo.play_game's contract).
+    """One agent run on its own rollout and environment session (forge_rl.play.play_game's contract).
     `asks`: the group's SharedRequests or the evaluation's GreedyAnswers, which sample its replies.
     `reset_args` is play_game's; an agent resets its environment itself (ctx.env, ctx.seed)."""
-    from forge_rl.grpo import GameResult
+    from forge_rl.play import GameResult
 
     agents = await chat_agents(run)
     server = agents.server

@@ -402,13 +402,13 @@ async def serve(cfg) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from forge_rl import grpo
+    from forge_rl import grpo, play
     from forge_rl.generator import Generator
 
     model_path = grpo.prepare_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     game = grpo.load_app_module(cfg.app_module, cfg.sampling.constrained) if cfg.sampling.constrained else None
-    allowed = grpo.answer_token_ids(game, tokenizer) if game is not None else None
+    allowed = play.answer_token_ids(game, tokenizer) if game is not None else None
     policy = await Generator.options(
         procs=cfg.generator.procs, with_gpus=torch.cuda.is_available(), num_replicas=cfg.generator.num_replicas
     ).as_service(model_path, cfg.model.dtype, cfg.generator, cfg.seed)
@@ -417,7 +417,7 @@ async def serve(cfg) -> None:
         return await policy.route("generate", prompt_ids, sampling, session=session)
 
     server = ChatServer(
-        tokenizer, generate, grpo.sampling(cfg, allowed), grpo.sampling(cfg, allowed, greedy=True),
+        tokenizer, generate, play.sampling(cfg, allowed), play.sampling(cfg, allowed, greedy=True),
         cfg.chat, cfg.generator.max_model_len,
     )
     try:

@@ -1,4 +1,4 @@
-"""The GRPO loop every app shares: the whole training job in one file.
+"""The GRPO loop every app shares: set-up, the rollout and training loops, tear-down.
 
     python -m forge_rl.grpo --config configs/blackjack_tiny_cpu.yaml [dotted.key=value ...]
 
@@ -20,23 +20,19 @@ knows no app. Dataflow (each box a Monarch actor mesh or service, the loops asyn
   weights as version v+1, and has every generator load them before the next step.
 - `synchronous: true` instead alternates: collect a batch with the current weights, then train.
 
-One game is one episode; its turns are one token sequence (forge_rl.rollout.Conversation): what the
-policy sampled is kept as sampled, each new observation is tokenized alone and appended. The prompt,
-the parsing of the answer and the reward are the three functions of the config's `app_module`
-(apps/blackjack/game.py); nothing below knows the rules of any game, so another OpenEnv environment
-trains with this file unchanged.
+Playing one game and one group is forge_rl/play.py (one game is one episode: what the policy sampled
+is kept as sampled, each new observation tokenized alone and appended), evaluation forge_rl/evaluation.py,
+checkpoints forge_rl/checkpoint.py. The prompt, the parsing of the answer and the reward are the three
+functions of the config's `app_module` (apps/blackjack/game.py); nothing here knows the rules of any
+game, so another OpenEnv environment trains with these files unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import functools
-import hashlib
 import importlib
 import importlib.util
-import json
 import logging
 import os
 import signal
@@ -47,20 +43,20 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from forge_rl import faults, store, weight_sync
 from forge_rl.actor import call, start_all, stop
 from forge_rl.batching import RequestBatcher
+from forge_rl.checkpoint import resume, save_checkpoint
 from forge_rl.config import ConfigError, RunConfig, dump, parse_cli
 from forge_rl.envs import load_env_class
-from forge_rl.envs.client import EnvSession, EpisodeAborted, env_url
+from forge_rl.envs.client import env_url
+from forge_rl.evaluation import evaluate, evaluate_references, figures
 from forge_rl.generator import Generator
 from forge_rl.metrics import MetricsLogger, plot_curves
+from forge_rl.play import EnvironmentLost, SessionPool, answer_token_ids, play_group
 from forge_rl.provisioner import get_provisioner
 from forge_rl.reference import ReferenceModel
 from forge_rl.replay_buffer import ReplayBufferActor
-from forge_rl.rollout import Conversation
 from forge_rl.trainer import Trainer
 from forge_rl.types import Completion, Episode
 
@@ -68,52 +64,6 @@ logger = logging.getLogger("forge_rl.grpo")
 BUFFER_TIMEOUT_S = 60.0  # per call to the replay buffer actor (every endpoint returns at once)
 EXIT_GRACE_S = 60.0  # the longest the interpreter may take to exit after the run has stopped
 STALL_WARNING_S = 60.0  # a training loop without a step for this long says what it waits for
-
-
-# ---------------------------------------------------------------------------------------------------
-# One game
-
-
-class SessionPool:
-    """At most `size` environment sessions, each kept open and reused for one game after another
-    (a WebSocket connection per game would cost more than the game). A session that raised out of a
-    game is closed, not reused."""
-
-    def __init__(self, url: str, size: int, timeout_s: float):
-        self.url, self.timeout_s = url, timeout_s
-        self.free: asyncio.Queue = asyncio.Queue()
-        for _ in range(size):
-            self.free.put_nowait(None)  # a slot without a session yet
-
-    @contextlib.asynccontextmanager
-    async def session(self):
-        session = await self.free.get() or EnvSession(self.url, timeout_s=self.timeout_s)
-        try:
-            yield session
-        except BaseException:
-            broken, session = session, None
-            await broken.close()
-            raise
-        finally:
-            self.free.put_nowait(session)
-
-    async def close(self) -> None:
-        while not self.free.empty():
-            session = self.free.get_nowait()
-            if session is not None:
-                await session.close()
-
-
-class EnvironmentLost(RuntimeError):
-    """No game can be played any more (the environment server stopped answering): the run stops."""
-
-
-@dataclass
-class GameResult:
-    episodes: list[Episode]  # none when the game had no decision or was aborted; a chat agent's may be several
-    reward: float
-    invalid: bool  # ended by an answer the app's parse_action refused
-    aborted: bool = False  # the environment session was lost and could not be restored
 
 
 @dataclass
@@ -154,216 +104,6 @@ class Run:
             send = lambda requests: self.policy.route("generate_batch", requests)  # noqa: E731
             self.batcher = RequestBatcher(send, max_in_flight=len(self.policy.replicas))
         return await self.batcher.generate(prompt_ids, params)
-
-
-_PROMPTS_WITH_UNKNOWN_WORDS: list[str] = []  # the first one found is reported, once per run
-
-
-def prompt_ids(game, tokenizer, observation: dict, first_turn: bool, close_previous: bool = False) -> list[int]:
-    """Token ids of one user turn and the assistant header, tokenized on their own.
-
-    The first turn comes from the chat template; later turns continue a conversation whose earlier ids
-    are kept as sampled, so only the new text is tokenized (never the whole conversation again).
-    `close_previous`: the previous answer stopped without the end-of-turn token (constrained decoding
-    samples the answer alone), so this turn starts by closing it.
-    """
-    text, ids = _turn_ids(tokenizer, game.render_prompt(observation), first_turn)
-    ids = list(ids)
-    if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids and not _PROMPTS_WITH_UNKNOWN_WORDS:
-        _PROMPTS_WITH_UNKNOWN_WORDS.append(text)  # the prompt's words are the app's to fix
-        logger.warning("the tokenizer does not know some words of this prompt (read as %s): %r", tokenizer.unk_token, text[:300])
-    return [tokenizer.eos_token_id] + ids if close_previous else ids
-
-
-@functools.lru_cache(maxsize=4096)
-def _turn_ids(tokenizer, content: str, first_turn: bool) -> tuple[str, tuple[int, ...]]:
-    """The text and ids of one user turn (see prompt_ids). Cached: a game's prompts repeat (BlackJack
-    has a few hundred), and rendering the chat template three times per turn cost more than the model."""
-    message = {"role": "user", "content": content}
-    text = tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
-    if not first_turn:
-        # The turn as the template renders it after an earlier one: without what it puts only at the start
-        # (SmolLM2's default system prompt), after the newline it puts after the previous <|im_end|>.
-        earlier = [{"role": "user", "content": "."}]
-        before = tokenizer.apply_chat_template(earlier, tokenize=False)
-        text = "\n" + tokenizer.apply_chat_template(earlier + [message], tokenize=False, add_generation_prompt=True)[len(before):]
-    return text, tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def answer_token_ids(game, tokenizer) -> list[int]:
-    """For constrained decoding: the ids the policy may sample, each word of the app's ANSWER_VOCABULARY
-    (answers of up to sampling.max_tokens tokens, e.g. "x*7") or else of its ACTIONS (one token each).
-
-    The policy then samples only these ids (vLLM's allowed_token_ids), and the trainer and reference
-    renormalise every position over the same ids: behaviour and trained log-probs are of one and the
-    same distribution. The end-of-turn token after the answer is then the environment's, appended with
-    the next turn (not trained).
-    """
-    ids = []
-    for answer in getattr(game, "ANSWER_VOCABULARY", None) or game.ACTIONS:
-        encoded = tokenizer(answer, add_special_tokens=False)["input_ids"]
-        if len(encoded) != 1:
-            raise ConfigError(
-                f"sampling.constrained needs each answer to be one token; {answer!r} is "
-                f"{len(encoded)} tokens for this tokenizer: set sampling.constrained=false"
-            )
-        if tokenizer.unk_token_id is not None and encoded[0] == tokenizer.unk_token_id:
-            raise ConfigError(
-                f"answer {answer!r} of {game.__name__}.ACTIONS is not in the model's vocabulary (it is the "
-                f"unknown token {tokenizer.unk_token!r}): use words the model knows (docs/blackjack_tiny_cpu.md) or set model.path"
-            )
-        ids += encoded
-    return ids
-
-
-def sampling(cfg: RunConfig, allowed_token_ids: list[int] | None, greedy: bool = False, answer_length: int = 1) -> dict:
-    params = {"temperature": 0.0 if greedy else cfg.sampling.temperature, "max_tokens": cfg.sampling.max_tokens}
-    if not greedy:
-        params["top_p"] = cfg.sampling.top_p
-    if allowed_token_ids:
-        params.update(allowed_token_ids=allowed_token_ids, max_tokens=answer_length)
-    return params
-
-
-class SharedRequests:
-    """The games of a group ask the policy together: games at the same prompt share one request of n samples.
-
-    A group's games are dealt from one seed and the environment is deterministic in its seed and the
-    actions taken, so games that have answered alike so far stand at the same prompt: all G of them at
-    the first turn, and at each later turn those that sampled the same answers. One request for n samples
-    costs one message and one prefill where n requests cost n of each (on 2 CPU cores per-request
-    overhead, not the model, bounds how fast games are played). How many games will reach a prompt is
-    known from the request before it: those that drew the same answer there. Each sample goes to one
-    game only. A game whose prompt is not the one its siblings reached (an environment that is not
-    deterministic in its seed) asks alone. `generate(prompt_ids, sampling) -> list[Completion]`.
-
-    With `seed` (the run's seed and the group's deal) every request carries a vLLM sampling seed derived
-    from it, the prompt and how many requests that prompt had before in this group: the group's games
-    are then a function of the weights and the deal alone, whatever the timing, so a resumed run samples
-    what the uninterrupted run sampled (vLLM gives the n samples of one request seeds seed, seed + 1, ...).
-    """
-
-    def __init__(self, generate, group_size: int, sampling: dict, seed: tuple | None = None):
-        self.generate, self.group_size, self.sampling, self.seed = generate, group_size, sampling, seed
-        self.shared: dict[tuple, list] = {}  # prompt ids -> [future of its n completions, n, how many taken]
-        self.reached: dict = {}  # (previous prompt ids, previous answer ids), None first -> prompt reached
-        self.requests_at: dict[tuple, int] = {}  # prompt ids -> requests sent for it so far
-
-    def _params(self, prompt: tuple, **extra) -> dict:
-        params = {**self.sampling, **extra}
-        if self.seed is not None:
-            k = self.requests_at[prompt] = self.requests_at.get(prompt, -1) + 1
-            params["seed"] = request_seed(self.seed, prompt, k)
-        return params
-
-    async def answer(self, prompt_ids: list[int], previous: tuple | None = None) -> Completion:
-        """A completion for this game. `previous`: (prompt ids, answer ids) of its previous turn, None on its first."""
-        prompt = tuple(prompt_ids)
-        if previous is None:
-            n = self.group_size
-        else:
-            before = self.shared.get(previous[0])
-            n = sum(tuple(c.token_ids) == previous[1] for c in before[0].result()) if before else 1
-        if self.reached.setdefault(previous, prompt) != prompt:
-            n = 1
-        request = self.shared.get(prompt)
-        if request is None and n > 1:
-            request = self.shared[prompt] = [asyncio.ensure_future(self.generate(list(prompt), self._params(prompt, n=n))), n, 0]
-        if request is None or request[2] >= request[1]:
-            (completion,) = await self.generate(list(prompt), self._params(prompt))
-            return completion
-        index, request[2] = request[2], request[2] + 1  # taken before awaiting: the other games take theirs meanwhile
-        return (await asyncio.shield(request[0]))[index]
-
-
-def request_seed(base: tuple, prompt: tuple, k: int) -> int:
-    """A vLLM sampling seed that depends on nothing but its arguments (not on Python's hash salt); 62 bits, as
-    vLLM adds the sample index to it and keeps it in an int64."""
-    digest = hashlib.blake2b(repr((base, prompt, k)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
-
-
-class GreedyAnswers:
-    """An evaluation's answers, one request per distinct prompt: greedy decoding is a function of the
-    prompt (and the weights, which do not change during an evaluation), so games that reach the same
-    prompt get the same answer without asking again. Thousands of deals then cost a few hundred
-    requests, and evaluating on many deals (a precise EV) costs little more than on a few."""
-
-    def __init__(self, generate, sampling: dict):
-        self.generate, self.sampling = generate, sampling
-        self.answers: dict[tuple, asyncio.Future] = {}  # prompt ids -> future of its one completion
-
-    async def answer(self, prompt_ids: list[int], previous: tuple | None = None) -> Completion:
-        prompt = tuple(prompt_ids)
-        if prompt not in self.answers:
-            self.answers[prompt] = asyncio.ensure_future(self.generate(list(prompt), self.sampling))
-        return (await asyncio.shield(self.answers[prompt]))[0]
-
-
-async def play_game(
-    run: Run, seed: int, group_id: str, asks: SharedRequests | GreedyAnswers, reset_args: dict | None = None
-) -> GameResult:
-    """One whole game on its own environment session: observe, ask the policy, act, until done.
-    `asks`: where the game's answers come from, shared with the other games of its group or evaluation.
-    `reset_args`: besides the seed (the config's env.reset_args, or with eval.reset_args over them)."""
-    cfg, game = run.cfg, run.game
-    async with run.sessions.session() as session:
-        try:
-            observation = (await session.reset(seed=seed, **(reset_args or cfg.env.reset_args))).observation
-            conversation, invalid = Conversation(prompt_ids(game, run.tokenizer, observation, True)), False
-            previous = None  # (prompt ids, answer ids) of the last turn, for the group's shared requests
-            for turn in range(cfg.rollout.max_turns):
-                if observation["done"]:
-                    break
-                if turn:
-                    unclosed = conversation.tokens[-1] != run.tokenizer.eos_token_id
-                    conversation.add_turn(prompt_ids(game, run.tokenizer, observation, False, unclosed))
-                completion = await asks.answer(conversation.prompt_ids, previous)
-                previous = (tuple(completion.prompt_ids), tuple(completion.token_ids))
-                conversation.add_completion(completion)
-                action = game.parse_action(completion.text, observation)
-                if action is None:
-                    invalid = True
-                    break
-                observation = (await session.step(action)).observation
-        except EpisodeAborted as e:
-            logger.warning("game on seed %d dropped: %s", seed, e)
-            run.last_abort = str(e)
-            return GameResult([], 0.0, False, aborted=True)
-    reward = game.reward(observation, invalid, cfg.rollout.invalid_action_penalty)
-    episodes = [conversation.to_episode(reward, group_id)] if conversation.versions else []
-    return GameResult(episodes, reward, invalid)
-
-
-def player(run: Run):
-    """play_game, or for a chat-agent app (one with run_agent) forge_rl.agents.play_agent: same arguments and result."""
-    if hasattr(run.game, "run_agent"):
-        from forge_rl.agents import play_agent
-
-        return play_agent
-    return play_game
-
-
-async def play_group(run: Run, seed: int) -> list[Episode] | None:
-    """G games dealt from one seed: the group GRPO compares (same cards, different decisions)."""
-    shared = SharedRequests(
-        run.generate, run.cfg.grpo.group_size, sampling(run.cfg, run.allowed_token_ids, answer_length=run.answer_length),
-        seed=(run.cfg.seed, seed),
-    )
-    results = await asyncio.gather(
-        *(player(run)(run, seed, f"seed{seed}", shared) for _ in range(run.cfg.grpo.group_size))
-    )
-    run.episodes_played += len(results)
-    run.aborted_games += sum(r.aborted for r in results)
-    run.groups_lost_in_a_row = run.groups_lost_in_a_row + 1 if all(r.aborted for r in results) else 0
-    if run.groups_lost_in_a_row >= 20:
-        raise EnvironmentLost(
-            f"every game of the last {run.groups_lost_in_a_row} groups was aborted (last: {run.last_abort}): "
-            "the environment server is gone; check env.url / env.server"
-        )
-    run.recent = (run.recent + [(r.reward, r.invalid) for r in results if not r.aborted])[-2000:]
-    episodes = [e for r in results for e in r.episodes]
-    return episodes if all(r.episodes for r in results) else None  # a group with a dropped game is not comparable
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -511,107 +251,6 @@ async def warn_if_stalled(run: Run, since: float) -> float:
         stats["evicted_stale"], run.episodes_played, run.aborted_games, run.rollout_errors,
     )
     return time.time()
-
-
-def figures(values: dict) -> str:
-    """'ev=-0.052 win=0.431 ...': a dict of metrics as the console shows them."""
-    return " ".join(f"{k.removeprefix('eval/reference/').removeprefix('eval/')}={v:.3f}" for k, v in values.items())
-
-
-def eval_reset_args(cfg: RunConfig) -> dict:
-    return {**cfg.env.reset_args, **cfg.eval.reset_args}
-
-
-async def play_reference(run: Run, policy, seed: int) -> float | None:
-    """One game of a reference policy (observation -> action text, or None where it has no answer) on
-    its own session: its return, None if it had no answer."""
-    async with run.sessions.session() as session:
-        observation = (await session.reset(seed=seed, **eval_reset_args(run.cfg))).observation
-        while not observation["done"]:
-            answer = policy(observation)
-            if answer is None:
-                return None
-            observation = (await session.step(run.game.parse_action(answer, observation))).observation
-    return run.game.reward(observation, False, 0.0)
-
-
-async def evaluate_references(run: Run) -> dict[str, float]:
-    """The app's REFERENCE_POLICIES (if it has any) on the evaluation deals: what the model's EV is read
-    against, free of the deals' luck. Played once per run."""
-    cfg, values = run.cfg.eval, {}
-    for name, policy in getattr(run.game, "REFERENCE_POLICIES", {}).items():
-        returns = await asyncio.gather(*(play_reference(run, policy, s) for s in range(cfg.seed, cfg.seed + cfg.num_games)))
-        returns = [r for r in returns if r is not None]
-        if returns:
-            values[f"eval/reference/{name}"] = sum(returns) / len(returns)
-    return values
-
-
-async def evaluate(run: Run) -> dict[str, float]:
-    """Greedy play on the fixed deals eval.seed ... eval.seed + num_games - 1 with the current weights."""
-    cfg = run.cfg.eval
-    greedy = GreedyAnswers(run.generate, sampling(run.cfg, run.allowed_token_ids, greedy=True, answer_length=run.answer_length))
-    reset_args = eval_reset_args(run.cfg)
-    results = await asyncio.gather(
-        *(player(run)(run, s, f"eval{s}", greedy, reset_args) for s in range(cfg.seed, cfg.seed + cfg.num_games))
-    )
-    done = [r for r in results if not r.aborted]
-    if not done:
-        logger.warning("evaluation: all %d games were aborted; no evaluation at step %d", len(results), run.step)
-        return {"eval/games": 0}
-    mean = sum(r.reward for r in done) / len(done)
-    app_metrics = getattr(run.game, "eval_metrics", None)  # the app's own figures, its headline first
-    values = app_metrics(done) if app_metrics else {"eval/reward": mean, "eval/games": len(done)}
-    first = next(iter(values))
-    return {first: values.pop(first), **luck_corrected(run, mean), **values}
-
-
-def luck_corrected(run: Run, ev: float) -> dict[str, float]:
-    """The eval EV with the deals' luck taken out: EV - EV of a reference policy on the same deals + that
-    policy's exact EV (a control variate; the app's first REFERENCE_EV). 10,000 deals leave the raw EV
-    +-0.02 (95%) from the truth, mostly luck the model shares with the reference policy on the same
-    cards; the difference of the two is several times more precise."""
-    exact = getattr(run.game, "REFERENCE_EV", {})
-    name = next(iter(exact), None)
-    on_these_deals = run.references.get(f"eval/reference/{name}")
-    if on_these_deals is None:
-        return {}
-    return {"eval/ev_luck_corrected": ev - on_these_deals + exact[name]}
-
-
-# ---------------------------------------------------------------------------------------------------
-# Checkpoints: the trainer's state (torch.distributed.checkpoint) plus where the loops were.
-
-
-def checkpoint_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
-
-
-async def save_checkpoint(run: Run) -> None:
-    """The trainer's state, and beside it where the loops were (progress.json); latest.json is a copy of
-    the newest one. Paths are relative to the checkpoints folder, so a run directory can be moved or
-    copied, and any checkpoint resumed from by copying its progress.json over latest.json."""
-    folder = checkpoint_dir(Path(run.cfg.run_dir))
-    path = folder / f"step_{run.step:06d}"
-    await call(run.trainer, "save_checkpoint", str(path), timeout_s=run.cfg.trainer.timeout_s)
-    progress = json.dumps({"step": run.step, "version": run.version, "next_seed": run.next_seed, "path": path.name})
-    for pointer in (path / "progress.json", folder / "latest.json"):
-        pointer.with_suffix(".tmp").write_text(progress)
-        pointer.with_suffix(".tmp").replace(pointer)  # atomic: a crash never leaves a half-written pointer
-
-
-async def resume(run: Run) -> None:
-    latest = checkpoint_dir(Path(run.cfg.run_dir)) / "latest.json"
-    if not latest.exists():
-        raise ConfigError(f"resume=true but {latest} does not exist: no checkpoint to resume from")
-    progress = json.loads(latest.read_text())
-    path = latest.parent / progress["path"]  # relative (an absolute path, as older runs wrote, stays as is)
-    restored = await call(run.trainer, "load_checkpoint", str(path), timeout_s=run.cfg.trainer.timeout_s)
-    run.step, run.version, run.next_seed = progress["step"], restored["policy_version"], progress["next_seed"]
-    run.metrics.drop_after(run.step)  # the rows of steps after the checkpoint are logged again
-    await call(run.trainer, "push_weights", run.version, timeout_s=run.cfg.trainer.timeout_s)
-    await run.policy.fanout("update_weights", run.version)
-    logger.info("resumed at step %d, policy version %d", run.step, run.version)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -858,3 +497,4 @@ if __name__ == "__main__":
         code = 1
     exit_within(EXIT_GRACE_S, code)
     sys.exit(code)
+

@@ -61,7 +61,8 @@ def test_humaneval_config_multi_turn_episodes_on_the_tiny_model(tmp_path):
 
 async def _multi_turn(cfg):
     from forge_rl.envs.client import EnvSession, env_url
-    from forge_rl.grpo import load_app_module, play_group, prompt_ids, shutdown, start, train_one_step
+    from forge_rl.grpo import load_app_module, shutdown, start, train_one_step
+    from forge_rl.play import play_group, prompt_ids
 
     game = load_app_module(cfg.app_module, cfg.sampling.constrained)
     url, server = env_url(cfg.env.url, cfg.env.server, cfg.env.max_concurrent)

@@ -6,7 +6,7 @@ import pytest
 from apps.blackjack import game as blackjack
 from apps.coder import task
 from forge_rl.envs.code_task import synth_task
-from forge_rl.grpo import GameResult, answer_token_ids, prompt_ids
+from forge_rl.play import GameResult, answer_token_ids, prompt_ids
 from forge_rl.tiny_model import build_tiny_model
 
 

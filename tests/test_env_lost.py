@@ -6,10 +6,11 @@ runs out. No policy is needed, since no game gets as far as asking it.
 """
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
-from forge_rl import grpo
+from forge_rl import evaluation, grpo, play
 from forge_rl.config import load_config
 from forge_rl.envs.client import EnvSession, launch_local
 
@@ -17,12 +18,12 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def run_on(url: str) -> grpo.Run:
-    cfg = load_config(grpo.Path(__file__).resolve().parent.parent / "configs" / "blackjack_tiny_cpu.yaml")
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "blackjack_tiny_cpu.yaml")
     cfg.eval.num_games = 8
     game = grpo.load_app_module(cfg.app_module, cfg.sampling.constrained)
     return grpo.Run(
         cfg=cfg, game=game, tokenizer=None, allowed_token_ids=None, policy=None, trainer=None,
-        buffer=None, reference=None, metrics=None, sessions=grpo.SessionPool(url, 100, timeout_s=5.0),
+        buffer=None, reference=None, metrics=None, sessions=play.SessionPool(url, 100, timeout_s=5.0),
     )
 
 
@@ -38,7 +39,7 @@ def dead_url():
 
 def test_an_evaluation_whose_games_all_aborted_reports_no_evaluation(dead_url):
     run = run_on(dead_url)
-    values = asyncio.run(grpo.evaluate(run))
+    values = asyncio.run(evaluation.evaluate(run))
     assert values == {"eval/games": 0}  # not eval/ev = 0.0 over "1 game"
     assert "could not connect" in run.last_abort
 
@@ -47,8 +48,8 @@ def test_training_stops_when_every_game_of_many_groups_is_aborted(dead_url):
     run = run_on(dead_url)
 
     async def twenty_groups():  # at once, as concurrent rollout workers play them
-        await asyncio.gather(*(grpo.play_group(run, seed) for seed in range(20)))
+        await asyncio.gather(*(play.play_group(run, seed) for seed in range(20)))
 
-    with pytest.raises(grpo.EnvironmentLost, match="every game of the last 20 groups was aborted"):
+    with pytest.raises(play.EnvironmentLost, match="every game of the last 20 groups was aborted"):
         asyncio.run(twenty_groups())
     assert run.aborted_games == 20 * run.cfg.grpo.group_size

@@ -24,7 +24,7 @@ from forge_rl.actor import ReplicaDead
 from forge_rl.config import ConfigError, GeneratorConfig
 from forge_rl.envs.client import launch_local
 from forge_rl.generator import Generator
-from forge_rl.grpo import SessionPool
+from forge_rl.play import SessionPool
 from forge_rl.reference import ReferenceModel
 from forge_rl.tiny_model import build_tiny_model
 from forge_rl.weight_sync import WeightsHandle

@@ -140,11 +140,11 @@ def test_generate_batch_answers_each_request_as_generate_would_and_isolates_a_ba
 
 
 def test_a_groups_games_at_one_prompt_share_one_request_each_sample_used_once(g):
-    """forge_rl.grpo.SharedRequests on the real generator: the G games of a group share one request
+    """forge_rl.play.SharedRequests on the real generator: the G games of a group share one request
     of n=G samples at the first turn, each game gets a different one; at the second turn the games that
     drew the same answer (so reached the same prompt) share one request of n = their number; a game whose
     prompt is not the one its siblings reached asks alone."""
-    from forge_rl.grpo import SharedRequests
+    from forge_rl.play import SharedRequests
 
     requests = []  # [prompt, sampling, completions] of every request, in the order sent
     answers = [g.tokenizer.convert_tokens_to_ids(a) for a in ("HIT", "STAND")]
@@ -188,9 +188,9 @@ def test_a_groups_games_at_one_prompt_share_one_request_each_sample_used_once(g)
 
 
 def test_an_evaluation_asks_once_per_distinct_prompt(g):
-    """forge_rl.grpo.GreedyAnswers: games at the same prompt share one greedy request, whose answer
+    """forge_rl.play.GreedyAnswers: games at the same prompt share one greedy request, whose answer
     is what a request of their own would have returned."""
-    from forge_rl.grpo import GreedyAnswers
+    from forge_rl.play import GreedyAnswers
 
     requests = []
 

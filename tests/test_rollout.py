@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from apps.blackjack import game
-from forge_rl.grpo import prompt_ids
+from forge_rl.play import prompt_ids
 from forge_rl.models import resolve_model
 from forge_rl.rollout import Conversation
 from forge_rl.tiny_model import build_tiny_model

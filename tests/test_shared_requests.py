@@ -6,7 +6,7 @@ logic is checked without an engine (tests/test_generator.py checks it on the rea
 
 import asyncio
 
-from forge_rl.grpo import GreedyAnswers, SharedRequests
+from forge_rl.play import GreedyAnswers, SharedRequests
 from forge_rl.types import Completion
 
 

@@ -78,7 +78,7 @@ def test_constrained_answers_outside_the_vocabulary_are_refused(model_dir):
     import types
 
     from forge_rl.config import ConfigError
-    from forge_rl.grpo import answer_token_ids
+    from forge_rl.play import answer_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     game = types.ModuleType("apps.poker")
