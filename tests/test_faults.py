@@ -101,6 +101,16 @@ def test_a_generator_whose_vllm_engine_died_is_restarted_caught_up_and_its_calls
             assert len(await policy.fanout("update_weights", 3)) == 1
             (last,) = await policy.route("generate", [1, 2, 3], GREEDY)
             assert last.policy_version == 3 and last.logprobs == pytest.approx([uniform] * 4, abs=1e-5)
+
+            # The Generator's whole process killed: its engine and the engine's workers end with it
+            # (forge_rl/vllm_plugin.py) and unlink their shared-memory queues; before, they lived on as orphans.
+            engine = engine_core_of(new_pid)
+            family = [engine, *engine.children(recursive=True)]
+            queues = {m.path for p in family for m in p.memory_maps() if m.path.startswith("/dev/shm/")}
+            os.kill(new_pid, signal.SIGKILL)
+            _, alive = psutil.wait_procs(family, timeout=60)
+            assert not alive, f"orphaned vLLM processes: {[(p.pid, p.name()) for p in alive]}"
+            assert queues and not [q for q in queues if os.path.exists(q)], "vLLM's queues left in /dev/shm"
         finally:
             await policy.stop()
             await store.stop()
