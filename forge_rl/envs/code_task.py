@@ -284,6 +284,7 @@ class CodeTaskEnvironment(Environment[CodeTaskAction, CodeTaskObservation, CodeT
         self._sandbox = shared_sandbox()
         self._task: Task | None = None
         self._max_turns = int(os.environ.get("CODE_TASK_MAX_TURNS", 1))
+        self._partial_credit = True
         self._state = CodeTaskState()
 
     @classmethod
@@ -300,12 +301,14 @@ class CodeTaskEnvironment(Environment[CodeTaskAction, CodeTaskObservation, CodeT
         family: int = 1,
         split: str = "train",
         max_turns: Optional[int] = None,
+        partial_credit: bool = True,
         **kwargs: Any,
     ) -> CodeTaskObservation:
         seed = secrets.randbits(31) if seed is None else seed
         task_set = task_set or os.environ.get("CODE_TASK_SET", "synth")
         self._task = pick_task(task_set, seed, family, split)  # a bad argument: OpenEnv answers with its message
         self._max_turns = max(1, max_turns or int(os.environ.get("CODE_TASK_MAX_TURNS", 1)))
+        self._partial_credit = partial_credit
         self._state = CodeTaskState(episode_id=episode_id, seed=seed, task_set=task_set, task_id=self._task.task_id)
         return self._observe()
 
@@ -322,6 +325,11 @@ class CodeTaskEnvironment(Environment[CodeTaskAction, CodeTaskObservation, CodeT
             return self._observe(tests=tests or graded(self._sandbox, self._task, code))
         result = self._sandbox.run(code)
         return self._observe(run=result)
+
+    def _score(self, tests: tuple[int, int]) -> float:
+        """The fraction of the hidden tests passed; without partial credit 1 for all of them, else 0."""
+        passed, total = tests
+        return passed / max(total, 1) if self._partial_credit else float(passed == total)
 
     @property
     def state(self) -> CodeTaskState:
@@ -342,7 +350,7 @@ class CodeTaskEnvironment(Environment[CodeTaskAction, CodeTaskObservation, CodeT
             error=error,
             done=done,
             # the submission's score; 0 for an episode that ran out of turns on this action
-            reward=(tests[0] / max(tests[1], 1)) if tests else (0.0 if done and run is not None else None),
+            reward=self._score(tests) if tests else (0.0 if done and run is not None else None),
         )
         if run is not None:
             obs.stdout, obs.stderr, obs.exit_code, obs.timed_out = run.stdout, run.stderr, run.exit_code, run.timed_out
