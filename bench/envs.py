@@ -85,13 +85,18 @@ async def code_client(url: str, sessions: int, seconds: float) -> float:
     return sum(counts) / (time.perf_counter() - start)
 
 
-async def code_task_client(url: str, sessions: int, seconds: float) -> float:
+async def code_task_client(url: str, sessions: int, seconds: float, program: bool = False) -> float:
+    """Graded submissions/s of the synthesizer's answers: as the expression ("x+7", computed by the server
+    without a run) or, `program`, as a conditional expression, which the sandbox grades."""
+
     async def worker(i: int, deadline: float) -> int:
         runs = 0
         async with EnvSession(url, restore="reset") as session:
             while time.perf_counter() < deadline:
                 examples = (await session.reset(seed=i * 1_000_000 + runs)).observation["examples"]
-                obs = (await session.step({"code": synthesize(examples), "submit": True})).observation
+                answer = synthesize(examples)
+                answer = f"{answer} if True else 0" if program else answer
+                obs = (await session.step({"code": answer, "submit": True})).observation
                 assert obs["reward"] == 1.0, obs
                 runs += 1
         return runs
@@ -125,9 +130,11 @@ def main() -> None:
             rows.append((f"code interpreter websocket, {n} session(s)", r, "runs/s", r / direct, "sandbox in-process"))
             one_session = r if n == 1 else one_session
     with launch_local("forge_rl.envs.code_task:CodeTaskEnvironment", max_concurrent_envs=8) as srv:
-        for n in (1, 8):
-            r = asyncio.run(code_task_client(srv.url, n, args.seconds))
-            rows.append((f"code task graded, {n} session(s)", r, "runs/s", r / one_session, "interpreter, 1 session"))
+        for program in (True, False):
+            for n in (1, 8):
+                r = asyncio.run(code_task_client(srv.url, n, args.seconds, program))
+                what = "program graded in the sandbox" if program else "arithmetic answer computed"
+                rows.append((f"code task {what}, {n} session(s)", r, "runs/s", r / one_session, "interpreter, 1 session"))
 
     print(f"{'measurement':44s} {'rate':>10s}          ratio")
     for name, value, unit, ratio, versus in rows:

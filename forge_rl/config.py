@@ -115,6 +115,8 @@ class GRPOConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     entropy_coef: float = 0.3
+    # The bonus acts only while the mean entropy per trained token is below this floor (None: always).
+    entropy_floor: Optional[float] = None
     filter_zero_spread: bool = False  # DAPO dynamic sampling: skip groups whose rewards are all equal
     max_token_age: Optional[int] = None  # drop from the loss tokens sampled more than this many versions ago
     is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
@@ -128,6 +130,10 @@ class GRPOConfig:
             raise ConfigError(f"{key}.clip_low: expected < 1 (the ratio is clipped below at 1 - clip_low), got {self.clip_low}")
         if self.max_token_age is not None:
             _non_negative(self, key, "max_token_age")
+        if self.entropy_floor is not None and self.entropy_floor <= 0:
+            raise ConfigError(f"{key}.entropy_floor: expected > 0 nats, or null for a bonus that always acts, got {self.entropy_floor}")
+        if self.entropy_floor is not None and self.entropy_coef == 0:
+            raise ConfigError(f"{key}.entropy_floor: {self.entropy_floor} holds the entropy up with the bonus, but entropy_coef is 0: set entropy_coef > 0")
 
 
 @dataclass

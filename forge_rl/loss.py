@@ -204,7 +204,16 @@ def grpo_loss(
         if logits is None:
             raise ValueError("loss.entropy_coef > 0 needs the logits")
         entropy = token_entropy(logits)
-        per_token = per_token - config.entropy_coef * entropy
+        bonus = config.entropy_coef * entropy  # [B, T]
+        if config.entropy_floor is not None:
+            # An entropy floor: the bonus acts only while this batch's mean entropy per trained token is
+            # below it, so exploration is kept without the steady pull toward uniform that a bonus always on
+            # exerts (with Adam even a small one moves the weights at full step size on steps where every
+            # group's rewards are equal, so rare successes are undone). As Skywork-OR1's adaptive entropy
+            # control, whose coefficient acts only below its target entropy; this one is on or off, no state.
+            below = (entropy * mask).sum() / mask.sum().clamp(min=1) < config.entropy_floor
+            bonus = bonus * below.detach()
+        per_token = per_token - bonus
     elif logits is not None:
         with torch.no_grad():  # a metric only: no [B, T, V] graph kept for it
             entropy = token_entropy(logits)

@@ -159,6 +159,21 @@ def test_entropy_and_token_logprobs_by_hand():
     close(m["entropy"], 0.9743148)
 
 
+def test_entropy_floor_turns_the_bonus_on_only_below_it():
+    # The same two positions: mean entropy over the mask (1.3862944 + 0.5623351) / 2 = 0.9743148.
+    # Below a floor of 1.0 the bonus acts as without a floor (-0.0097431); at or above a floor of 0.9 it is
+    # off: loss 0 and no gradient. Masking position 0 out leaves mean 0.5623351: below 0.9, so on again.
+    logits = torch.tensor([[[0.0, 0, 0, 0], [0.0, math.log(3), -1e9, -1e9]]], requires_grad=True)
+    lp = token_logprobs(logits, torch.tensor([[2, 1]]))
+    for floor, mask, loss_expected in ((1.0, [[1, 1]], -0.0097431), (0.9, [[1, 1]], 0.0), (0.9, [[0, 1]], -0.01 * 0.5623351)):
+        logits.grad = None
+        cfg = grpo(entropy_coef=0.01, entropy_floor=floor)
+        loss, m = grpo_loss(lp, lp.detach(), torch.zeros(1), torch.tensor(mask, dtype=torch.float32), cfg, logits=logits)
+        close(loss, loss_expected)
+        loss.backward(retain_graph=True)
+        assert (logits.grad.abs().sum() > 0) == (loss_expected != 0.0)
+
+
 def test_gradient_flows_only_through_masked_tokens():
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 7, requires_grad=True)

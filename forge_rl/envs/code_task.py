@@ -32,8 +32,10 @@ Sandbox limits come from SANDBOX_TIMEOUT_S, SANDBOX_MEMORY_MB and SANDBOX_ISOLAT
 from __future__ import annotations
 
 import ast
+import operator
 import os
 import random
+import re
 import secrets
 import sys
 from dataclasses import dataclass
@@ -85,6 +87,7 @@ class Task:
     tests: tuple[str, ...]  # never leaves the server
     setup: str = ""  # trusted source the tests need in their namespace
     wrap_expression: bool = False  # the answer is an expression in x: run as `def f(x): return <expr>`
+    cases: tuple[tuple[int, int], ...] = ()  # synth: the hidden tests as (x, f(x)); never leaves the server
 
 
 # ------------------------------------------------------------------------------------------ synth
@@ -113,6 +116,7 @@ def synth_task(seed: int, family: int = 1) -> Task:
         entry_point="f",
         tests=tuple(f"assert f({x}) == {f(x)}" for x in hidden),
         wrap_expression=True,
+        cases=tuple((x, f(x)) for x in hidden),
     )
 
 
@@ -212,6 +216,57 @@ def graded(sandbox: Sandbox, task: Task, code: str) -> tuple[int, int]:
     return result
 
 
+# A synth answer made only of integer arithmetic in x ("x*7", "3+x-2") is a value to compute, not a program
+# to run: it is parsed (never executed) and computed by `arithmetic` with Python's own integer operators,
+# so its grade is the one the sandbox would give, without a sandboxed run. The text is held to these
+# characters and 64 of them, so that its parse is exactly what `return <expr>` parses and its integers stay
+# small; anything else (calls, attributes, **, newlines) is a program, graded in the sandbox.
+_ARITHMETIC_TEXT = re.compile(r"[0-9x+\-* ]{1,64}")
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+def arithmetic(expression: str):
+    """f(x) for an expression of integers, names, + - * (binary and unary) only; None for any other.
+    A name other than x raises NameError, as it would in `def f(x): return <expr>` (no builtin is
+    spelled with x and digits)."""
+    if not _ARITHMETIC_TEXT.fullmatch(expression):
+        return None
+    try:
+        tree = ast.parse(expression.strip(), mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+    nodes = (ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Load, *_OPERATORS)
+    if not all(isinstance(n, nodes) for n in ast.walk(tree)) or any(
+        isinstance(n, ast.Constant) and type(n.value) is not int for n in ast.walk(tree)
+    ):
+        return None
+
+    def value(node, x):
+        if isinstance(node, ast.BinOp):
+            return _OPERATORS[type(node.op)](value(node.left, x), value(node.right, x))
+        if isinstance(node, ast.UnaryOp):
+            return _OPERATORS[type(node.op)](value(node.operand, x))
+        if isinstance(node, ast.Name):
+            if node.id != "x":
+                raise NameError(node.id)
+            return x
+        return node.value
+
+    return lambda x: value(tree, x)
+
+
+def computed(task: Task, expression: str) -> tuple[int, int] | None:
+    """(tests passed, tests total) of a synth answer that is integer arithmetic in x, computed without a
+    run; None if the answer is anything else (then the sandbox grades it)."""
+    f = arithmetic(expression) if task.cases else None
+    if f is None:
+        return None
+    try:
+        return sum(f(x) == y for x, y in task.cases), len(task.cases)
+    except NameError:  # fails every test, as f(x) raises at every call
+        return 0, len(task.cases)
+
+
 class CodeTaskState(State):
     seed: Optional[int] = None
     task_set: str = "synth"
@@ -229,6 +284,7 @@ class CodeTaskEnvironment(Environment[CodeTaskAction, CodeTaskObservation, CodeT
         self._sandbox = shared_sandbox()
         self._task: Task | None = None
         self._max_turns = int(os.environ.get("CODE_TASK_MAX_TURNS", 1))
+        self._partial_credit = True
         self._state = CodeTaskState()
 
     @classmethod
@@ -245,12 +301,14 @@ class CodeTaskEnvironment(Environment[CodeTaskAction, CodeTaskObservation, CodeT
         family: int = 1,
         split: str = "train",
         max_turns: Optional[int] = None,
+        partial_credit: bool = True,
         **kwargs: Any,
     ) -> CodeTaskObservation:
         seed = secrets.randbits(31) if seed is None else seed
         task_set = task_set or os.environ.get("CODE_TASK_SET", "synth")
         self._task = pick_task(task_set, seed, family, split)  # a bad argument: OpenEnv answers with its message
         self._max_turns = max(1, max_turns or int(os.environ.get("CODE_TASK_MAX_TURNS", 1)))
+        self._partial_credit = partial_credit
         self._state = CodeTaskState(episode_id=episode_id, seed=seed, task_set=task_set, task_id=self._task.task_id)
         return self._observe()
 
@@ -263,9 +321,15 @@ class CodeTaskEnvironment(Environment[CodeTaskAction, CodeTaskObservation, CodeT
         code = f"def f(x):\n    return {action.code}\n" if self._task.wrap_expression else action.code
         if action.submit:
             self._state.submitted = True
-            return self._observe(tests=graded(self._sandbox, self._task, code))
+            tests = computed(self._task, action.code) if self._task.wrap_expression else None
+            return self._observe(tests=tests or graded(self._sandbox, self._task, code))
         result = self._sandbox.run(code)
         return self._observe(run=result)
+
+    def _score(self, tests: tuple[int, int]) -> float:
+        """The fraction of the hidden tests passed; without partial credit 1 for all of them, else 0."""
+        passed, total = tests
+        return passed / max(total, 1) if self._partial_credit else float(passed == total)
 
     @property
     def state(self) -> CodeTaskState:
@@ -286,7 +350,7 @@ class CodeTaskEnvironment(Environment[CodeTaskAction, CodeTaskObservation, CodeT
             error=error,
             done=done,
             # the submission's score; 0 for an episode that ran out of turns on this action
-            reward=(tests[0] / max(tests[1], 1)) if tests else (0.0 if done and run is not None else None),
+            reward=self._score(tests) if tests else (0.0 if done and run is not None else None),
         )
         if run is not None:
             obs.stdout, obs.stderr, obs.exit_code, obs.timed_out = run.stdout, run.stderr, run.exit_code, run.timed_out
