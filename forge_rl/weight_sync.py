@@ -73,6 +73,26 @@ def make_layout(state_dict: dict[str, torch.Tensor]) -> tuple[list, int]:
     return layout, offset
 
 
+# Projections vLLM fuses into one matrix (qkv_proj, gate_up_proj), in its row order. Written consecutively in
+# this order, each group IS that matrix in the buffer: a vLLM worker on CPU then packs it for its GEMM kernel
+# straight from the buffer, without first copying the parts together (vllm_worker.py).
+FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def fused_order(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state_dict` (HF names) reordered so that each FUSED_PROJECTIONS group of a layer is consecutive, in
+    order, where its first member was; everything else keeps its place. Same tensors, no copy."""
+    ordered = {}
+    for name in state_dict:
+        module, _, leaf = name.rpartition(".")  # "model.layers.0.mlp.up_proj", "weight"
+        parent, _, projection = module.rpartition(".")
+        group = next((g for g in FUSED_PROJECTIONS if projection in g), None)
+        for member in [f"{parent}.{p}.{leaf}" for p in group] if group else [name]:
+            if member in state_dict:
+                ordered.setdefault(member, state_dict[member])
+    return ordered
+
+
 def tensor_views(payload: torch.Tensor, layout: list) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) views into the uint8 `payload` (no copy), in layout order."""
     for name, dtype, shape, offset in layout:

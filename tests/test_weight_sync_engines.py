@@ -142,6 +142,21 @@ def test_the_fallback_path_through_torchstore_state_dicts_is_bit_exact(a):
     assert logprobs(a, a.generators[0]) == a.original[0]
 
 
+def test_a_buffer_without_the_fused_blocks_loads_through_vllms_reload_bit_exact(a):
+    """The model file's order (k_proj before q_proj, down_proj between gate_proj and up_proj) has no layer's
+    weight as one block: the worker takes vLLM's reload_weights instead of packing from the buffer."""
+    load_zeros(a, a.generators[:1])
+    a.version += 1
+    buffers = weight_sync.SharedBuffers()
+    try:
+        handle = buffers.write(load_file(a.path / "model.safetensors"), a.version)
+        a.run(store.put_handle(handle.as_dict(), a.version))
+        a.run(a.generators[0].update_weights.call_one(a.version))
+        assert logprobs(a, a.generators[0]) == a.original[0]
+    finally:
+        buffers.close()
+
+
 def test_broadcast_between_two_host_addresses_is_bit_exact(a):
     """The trainer on 127.0.0.2 (its rendezvous too), the generator's vLLM worker on 127.0.0.3: gloo."""
     generator = a.generators[1]
