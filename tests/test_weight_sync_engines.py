@@ -32,8 +32,9 @@ PROMPT = list(range(40, 60))
 GREEDY = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def our_buffers() -> list[str]:
-    return glob.glob(os.path.join(weight_sync.SHM_DIR, weight_sync.BUFFER_PREFIX + "*"))
+def trainer_buffers(trainer_pid: int) -> list[str]:
+    """The buffers of one trainer (other runs on this host may have theirs in /dev/shm meanwhile)."""
+    return glob.glob(os.path.join(weight_sync.SHM_DIR, f"{weight_sync.BUFFER_PREFIX}{trainer_pid}_*"))
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +112,8 @@ def test_two_replicas_load_one_shared_buffer_bit_exact(a):
     for g, original in zip(a.generators, a.original):
         assert logprobs(a, g) == original  # bit-exact
         assert a.run(g.current_version.call_one()) == a.version
-    assert len(our_buffers()) == 2  # one pair, however many readers
     trainer_pid = pid(a, a.shm_trainer)
+    assert len(trainer_buffers(trainer_pid)) == 2  # one pair, however many readers
     readers = processes_mapping(handle["path"]) - {trainer_pid}
     # each replica's vLLM worker and the Generator actor itself (its check before the gate)
     assert len(readers) >= 2, readers
@@ -142,6 +143,21 @@ def test_the_fallback_path_through_torchstore_state_dicts_is_bit_exact(a):
     assert logprobs(a, a.generators[0]) == a.original[0]
 
 
+def test_a_buffer_without_the_fused_blocks_loads_through_vllms_reload_bit_exact(a):
+    """The model file's order (k_proj before q_proj, down_proj between gate_proj and up_proj) has no layer's
+    weight as one block: the worker takes vLLM's reload_weights instead of packing from the buffer."""
+    load_zeros(a, a.generators[:1])
+    a.version += 1
+    buffers = weight_sync.SharedBuffers()
+    try:
+        handle = buffers.write(load_file(a.path / "model.safetensors"), a.version)
+        a.run(store.put_handle(handle.as_dict(), a.version))
+        a.run(a.generators[0].update_weights.call_one(a.version))
+        assert logprobs(a, a.generators[0]) == a.original[0]
+    finally:
+        buffers.close()
+
+
 def test_broadcast_between_two_host_addresses_is_bit_exact(a):
     """The trainer on 127.0.0.2 (its rendezvous too), the generator's vLLM worker on 127.0.0.3: gloo."""
     generator = a.generators[1]
@@ -164,7 +180,8 @@ def test_nothing_left_in_dev_shm_after_the_trainer_is_killed_and_the_rest_stop(a
     a.version += 1
     a.run(a.shm_trainer.push_weights.call(a.version))
     a.run(gather(*(g.update_weights.call_one(a.version) for g in a.generators)))
-    assert len(our_buffers()) == 2
-    os.kill(pid(a, a.shm_trainer), signal.SIGKILL)
+    trainer_pid = pid(a, a.shm_trainer)
+    assert len(trainer_buffers(trainer_pid)) == 2
+    os.kill(trainer_pid, signal.SIGKILL)
     a.run(gather(*(stop(g) for g in a.generators)))
-    assert our_buffers() == []
+    assert trainer_buffers(trainer_pid) == []
