@@ -34,13 +34,22 @@ async def save_checkpoint(run: Run) -> None:
         pointer.with_suffix(".tmp").replace(pointer)  # atomic: a crash never leaves a half-written pointer
 
 
-async def resume(run: Run) -> None:
-    latest = checkpoint_dir(Path(run.cfg.run_dir)) / "latest.json"
+def last_checkpoint(run_dir: str | Path) -> dict | None:
+    """What checkpoints/latest.json says (step, version, next_seed, path: made whole), None before the first checkpoint."""
+    latest = checkpoint_dir(Path(run_dir)) / "latest.json"
     if not latest.exists():
-        raise ConfigError(f"resume=true but {latest} does not exist: no checkpoint to resume from")
+        return None
     progress = json.loads(latest.read_text())
-    path = latest.parent / progress["path"]  # relative (an absolute path, as older runs wrote, stays as is)
-    restored = await call(run.trainer, "load_checkpoint", str(path), timeout_s=run.cfg.trainer.timeout_s)
+    # relative (an absolute path, as older runs wrote, stays as is)
+    return {**progress, "path": str(latest.parent / progress["path"])}
+
+
+async def resume(run: Run) -> None:
+    progress = last_checkpoint(run.cfg.run_dir)
+    if progress is None:
+        latest = checkpoint_dir(Path(run.cfg.run_dir)) / "latest.json"
+        raise ConfigError(f"resume=true but {latest} does not exist: no checkpoint to resume from")
+    restored = await call(run.trainer, "load_checkpoint", progress["path"], timeout_s=run.cfg.trainer.timeout_s)
     run.step, run.version, run.next_seed = progress["step"], restored["policy_version"], progress["next_seed"]
     run.metrics.drop_after(run.step)  # the rows of steps after the checkpoint are logged again
     await call(run.trainer, "push_weights", run.version, timeout_s=run.cfg.trainer.timeout_s)

@@ -18,10 +18,10 @@ import dataclasses
 import json
 import logging
 import urllib.request
-from pathlib import Path
 
 from forge_rl import store
 from forge_rl.actor import call
+from forge_rl.checkpoint import last_checkpoint
 from forge_rl.config import ConfigError
 from forge_rl.service import is_dead
 
@@ -87,15 +87,6 @@ def fit_sessions_to_server(url: str, wanted: int, group_size: int, timeout_s: fl
 
 class TrainerLost(RuntimeError):
     """The trainer's processes died; the run cannot train on."""
-
-
-def last_checkpoint(run_dir: str | Path) -> dict | None:
-    """What checkpoints/latest.json says (step, version, next_seed, path: made whole), None before the first checkpoint."""
-    latest = Path(run_dir) / "checkpoints" / "latest.json"
-    if not latest.exists():
-        return None
-    progress = json.loads(latest.read_text())
-    return {**progress, "path": str(latest.parent / progress["path"])}
 
 
 def trainer_lost(run, error: BaseException, pids: list[str]) -> TrainerLost:
