@@ -38,6 +38,27 @@ class Episode:
                 f"{len(self.token_versions)}"
             )
 
+    def __getstate__(self) -> dict:
+        """Pickled with its tensors as raw bytes. Monarch pickles a tensor through torch.save, about 0.3 ms
+        for each: a batch of 256 episodes (four tensors each) took 72 ms to pickle and as long to load,
+        three times a step (controller -> buffer -> controller -> trainer); as bytes, a few ms."""
+        state = dict(self.__dict__)
+        for name in _EPISODE_TENSORS:
+            t = state[name].detach().cpu().contiguous()
+            state[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name in _EPISODE_TENSORS:
+            dtype, shape, data = state[name]
+            dtype = getattr(torch, dtype)
+            t = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+            state[name] = t.reshape(shape)
+        self.__dict__.update(state)
+
+
+_EPISODE_TENSORS = ("tokens", "loss_mask", "behaviour_logprobs", "token_versions")
+
 
 @dataclass
 class Completion:

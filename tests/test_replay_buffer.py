@@ -113,3 +113,38 @@ def test_actor_endpoints():
             await stop(actor)
 
     asyncio.run(main())
+
+
+def test_episodes_cross_processes_exactly():
+    """Episodes go controller -> buffer -> controller -> trainer each step. They pickle their tensors as raw
+    bytes (Monarch's torch.save per tensor cost 72 ms a way for 256 episodes; bench/loop.py times it): values,
+    dtypes and shapes must survive exactly, mixed token versions and a chat agent's rollout_id included."""
+    import io
+
+    from monarch._src.actor.pickle import torch_dump, torch_loads
+
+    mixed = Episode(
+        tokens=torch.tensor([5, 6, 7, 8, 9]), loss_mask=torch.tensor([0, 1, 1, 0, 1]).bool(),
+        behaviour_logprobs=torch.tensor([0.0, -0.1, -0.2, 0.0, -1e-30]).bfloat16(), reward=-1.5, policy_version=2,
+        group_id="g", token_versions=torch.tensor([-1, 2, 3, -1, 3]), rollout_id="r7",
+    )
+    batch = [mixed] + [episode(f"g{i // 4}", 1, i / 7) for i in range(255)]
+    buffer = io.BytesIO()
+    torch_dump(batch, buffer)
+    back = torch_loads(buffer.getvalue())
+    for a, b in zip(batch, back):
+        for name in ("tokens", "loss_mask", "behaviour_logprobs", "token_versions"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), name
+        assert (a.reward, a.policy_version, a.group_id, a.rollout_id) == (b.reward, b.policy_version, b.group_id, b.rollout_id)
+
+    async def through_the_actor():
+        actor = await ReplayBufferActor.options().as_actor(batch_size=1, max_policy_age=5, filter_zero_spread=False)
+        try:
+            await actor.add_groups.call_one([[mixed]])
+            return await actor.sample.call_one(2)
+        finally:
+            await stop(actor)
+
+    (sampled,) = asyncio.run(through_the_actor())
+    assert torch.equal(sampled.token_versions, mixed.token_versions) and sampled.behaviour_logprobs.dtype == torch.bfloat16
