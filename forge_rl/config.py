@@ -49,7 +49,7 @@ class EnvConfig:
     server: Optional[str] = None  # or "module:Class" to launch on loopback for local runs
     # Most sessions the run holds open at once (its pool), and what a launched server accepts (MAX_CONCURRENT_ENVS);
     # against env.url it is lowered to what the server's /health reports (max_concurrent_envs).
-    max_concurrent: int = 32
+    max_concurrent: int = 256
     timeout_s: float = 30.0  # per call to the environment
     reset_args: dict = field(default_factory=dict)  # passed to every reset besides the seed, e.g. {task_set: synth}
 
