@@ -58,6 +58,25 @@ def test_reconnect_after_restart_replays_the_episode(server):
     assert final == expected and final.done
 
 
+def test_sessions_talk_without_compression_or_a_proxy(server, monkeypatch):
+    """Messages are small: no per-message deflate (it cost the controller a tenth of its rollout CPU), and a
+    proxy set in the environment is not used to reach a server on loopback."""
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+
+    async def play():
+        session = EnvSession(server.url, restore="none", reconnect_window_s=2)
+        try:
+            result = await session.reset(seed=3)
+            return result.observation, session._client._ws.protocol.extensions
+        finally:
+            await session.close()
+
+    observation, extensions = run(play())
+    assert observation["dealer_card"]  # the session works through that proxy setting
+    assert extensions == []
+
+
 def test_unseeded_episode_is_restored_with_the_seed_the_server_drew(server):
     async def go():
         session = EnvSession(server.url, timeout_s=10, reconnect_window_s=60)
