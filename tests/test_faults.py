@@ -178,7 +178,7 @@ def test_an_app_pointed_at_a_small_server_stops_before_launching_anything(tmp_pa
         )
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line and "HYPERACTOR" not in line]
     assert proc.returncode == 2, lines[-20:]
-    assert lines[-1].startswith("config error: env.url: ") and "accepts 2 sessions" in lines[-1] and "env.max_concurrent=32" in lines[-1], lines
+    assert lines[-1].startswith("config error: env.url: ") and "accepts 2 sessions" in lines[-1] and "MAX_CONCURRENT_ENVS=256" in lines[-1], lines
     assert not any("Traceback" in line for line in lines), lines
 
 
