@@ -109,6 +109,9 @@ class GRPOConfig:
     batch_size: int = 64  # groups per train step
     max_policy_age: int = 1  # drop data sampled more than this many versions ago
     normalize_std: bool = False  # False: Dr.GRPO advantages (no division by the group std)
+    # Divide by the group's mean reward instead (rewards >= 0): the gradient of log pass rate; each group
+    # that found a pass weighs as one labelled example (loss.group_advantages)
+    normalize_mean: bool = False
     clip_low: float = 0.2  # PPO clip, ratio >= 1 - clip_low
     clip_high: float = 0.28  # DAPO clip-higher, ratio <= 1 + clip_high
     kl_coef: float = 0.0
@@ -126,6 +129,8 @@ class GRPOConfig:
             raise ConfigError(f"{key}.group_size: expected >= 2 (advantages compare a group), got {self.group_size}")
         _positive(self, key, "batch_size")
         _non_negative(self, key, "max_policy_age", "clip_low", "clip_high", "kl_coef", "entropy_coef")
+        if self.normalize_std and self.normalize_mean:
+            raise ConfigError(f"{key}.normalize_mean: divides by the group's mean instead of its std; set normalize_std false")
         if self.clip_low >= 1:
             raise ConfigError(f"{key}.clip_low: expected < 1 (the ratio is clipped below at 1 - clip_low), got {self.clip_low}")
         if self.max_token_age is not None:

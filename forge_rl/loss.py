@@ -28,27 +28,42 @@ from forge_rl.config import GRPOConfig
 # ---------------------------------------------------------------------------- advantage
 
 
-def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6, normalize_mean: bool = False
+) -> torch.Tensor:
     """Advantages of the G episodes of one group (same prompt): reward minus group mean.
 
     rewards [G] -> advantages [G]. With normalize_std the centred rewards are divided by
     the group's population std (GRPO); Dr.GRPO (Liu et al. 2025) drops that division
     because it over-weights groups whose rewards barely differ. A group whose rewards are
     all equal gets zero advantages either way.
+
+    With normalize_mean (rewards >= 0, e.g. pass/fail) they are divided by the group's mean
+    instead: the estimate of the gradient of log(expected reward) rather than of the expected
+    reward (maximum-likelihood RL). With 0/1 rewards and k of G passing, each pass gets
+    (G - k) / k and each failure -1: every group that found a pass weighs as one labelled
+    example, however likely the policy already made it, so answers the policy already favours
+    do not gather more of the update (plain GRPO gives a group weight G q (1 - q), q = k / G).
+    A group whose mean is <= 0 gets zero advantages.
     """
     rewards = rewards.float()
-    centred = rewards - rewards.mean()  # [G]
+    mean = rewards.mean()
+    centred = rewards - mean  # [G]
+    if normalize_mean:
+        return centred / mean if mean > eps else torch.zeros_like(centred)
     if normalize_std:
         centred = centred / (rewards.std(correction=0) + eps)
     return centred
 
 
-def rollout_advantages(rewards: torch.Tensor, rollout_index: torch.Tensor, normalize_std: bool = True) -> torch.Tensor:
+def rollout_advantages(
+    rewards: torch.Tensor, rollout_index: torch.Tensor, normalize_std: bool = True, normalize_mean: bool = False
+) -> torch.Tensor:
     """Advantages of one group's episodes when a rollout may span several (the sealed segments of a
     chat-agent rollout): each rollout counts once in the group's mean and std, and every episode gets
     its rollout's advantage. rewards [N], rollout_index [N] (0..R-1, equal for one rollout) -> [N]."""
     per_rollout = torch.zeros(int(rollout_index.max()) + 1).scatter(0, rollout_index, rewards.float())  # [R]
-    return group_advantages(per_rollout, normalize_std)[rollout_index]
+    return group_advantages(per_rollout, normalize_std, normalize_mean=normalize_mean)[rollout_index]
 
 
 # ---------------------------------------------------------------------------- per token

@@ -297,7 +297,7 @@ class Trainer(ForgeActor):
             rewards = torch.tensor([float(batch[i].reward) for i in rows])
             rollouts = {}  # a rollout's segments (same rollout_id) count once; "" is an episode of its own
             index = torch.tensor([rollouts.setdefault(batch[i].rollout_id or -i - 1, len(rollouts)) for i in rows])
-            t["advantages"][rows] = rollout_advantages(rewards, index, self.grpo.normalize_std)
+            t["advantages"][rows] = rollout_advantages(rewards, index, self.grpo.normalize_std, self.grpo.normalize_mean)
         return t
 
     def _forward_loss(self, t: dict, rows: torch.Tensor, weight: float, denominator: float, by_age: dict):

@@ -74,6 +74,7 @@ def write(tmp_path, text):
         (["grpo.is_correction.threshold=[1.2,2]"], r"grpo\.is_correction\.threshold: expected 0 <= low <= 1 <= high"),
         (["grpo.is_correction.level=half"], r"grpo\.is_correction\.level: expected one of 'off'"),
         (["grpo.entropy_floor=0"], r"grpo\.entropy_floor: expected > 0 nats"),
+        (["grpo.normalize_std=true", "grpo.normalize_mean=true"], r"grpo\.normalize_mean: divides by the group's mean instead"),
         (["grpo.entropy_floor=1.0", "grpo.entropy_coef=0"], r"grpo\.entropy_floor: 1\.0 holds the entropy up with the bonus, but entropy_coef is 0"),
     ],
 )

@@ -40,6 +40,21 @@ def test_rollout_advantages_count_each_rollout_once():
     close(rollout_advantages(rewards, torch.arange(4)), group_advantages(rewards))
 
 
+def test_group_advantages_normalized_by_the_mean():
+    # 0/1 rewards, k of G pass: each pass (G - k) / k, each failure -1 (maximum-likelihood RL)
+    close(group_advantages(torch.tensor([1.0, 0, 0, 0]), normalize_mean=True), [3.0, -1, -1, -1])
+    close(group_advantages(torch.tensor([1.0, 1, 1, 0]), normalize_mean=True), [1 / 3, 1 / 3, 1 / 3, -1])
+    # the passes of a group weigh the same in all (G - k) whatever k, where plain GRPO's weigh k (G - k) / G
+    for k in range(1, 8):
+        rewards = torch.tensor([1.0] * k + [0.0] * (8 - k))
+        close(group_advantages(rewards, normalize_mean=True)[:k].sum() / (8 - k), 1.0)
+    # no pass, or no spread: no signal, no nan
+    close(group_advantages(torch.zeros(4), normalize_mean=True), [0.0] * 4)
+    close(group_advantages(torch.tensor([0.5, 0.5]), normalize_mean=True), [0.0, 0.0])
+    rewards, rollout = torch.tensor([1.0, 1, 0, 0]), torch.tensor([0, 0, 1, 2])
+    close(rollout_advantages(rewards, rollout, normalize_std=False, normalize_mean=True), [2.0, 2.0, -1.0, -1.0])
+
+
 def test_group_advantages_by_hand():
     # [1,0,0,1]: mean 0.5, centred [.5,-.5,-.5,.5], population std 0.5 -> [1,-1,-1,1]
     close(group_advantages(torch.tensor([1.0, 0, 0, 1])), [1.0, -1, -1, 1])
