@@ -104,6 +104,20 @@ class ISCorrectionConfig:
 
 
 @dataclass
+class SelfImitationConfig:
+    """Self-imitation (Oh et al. 2018; forge_rl/self_imitation.py): each group's best episode, when it beats
+    the group's mean, joins a pool, and every train step also maximises the likelihood of `episodes` of them."""
+
+    episodes: int = 0  # pool episodes replayed per train step; 0: off
+    coef: float = 1.0  # weight of their mean token NLL beside the GRPO loss
+    capacity: int = 4096  # the most recent best episodes kept
+
+    def check(self, key):
+        _non_negative(self, key, "episodes", "coef")
+        _positive(self, key, "capacity")
+
+
+@dataclass
 class GRPOConfig:
     group_size: int = 4  # games per group, dealt from the same seed
     batch_size: int = 64  # groups per train step
@@ -123,6 +137,7 @@ class GRPOConfig:
     filter_zero_spread: bool = False  # DAPO dynamic sampling: skip groups whose rewards are all equal
     max_token_age: Optional[int] = None  # drop from the loss tokens sampled more than this many versions ago
     is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
+    self_imitation: SelfImitationConfig = field(default_factory=SelfImitationConfig)
 
     def check(self, key):
         if self.group_size < 2:

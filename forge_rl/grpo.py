@@ -57,6 +57,7 @@ from forge_rl.play import EnvironmentLost, SessionPool, answer_token_ids, play_g
 from forge_rl.provisioner import get_provisioner
 from forge_rl.reference import ReferenceModel
 from forge_rl.replay_buffer import ReplayBufferActor
+from forge_rl.self_imitation import ImitationPool
 from forge_rl.trainer import Trainer
 from forge_rl.types import Completion, Episode
 
@@ -95,6 +96,7 @@ class Run:
     last_eval: dict = field(default_factory=dict)  # the last evaluation's figures, for the progress bar
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
+    imitation: ImitationPool | None = None  # grpo.self_imitation: past best episodes trained on again
     batcher: RequestBatcher | None = None  # the games' requests, sent together (forge_rl/batching.py)
 
     async def generate(self, prompt_ids: list[int], params: dict) -> list[Completion]:
@@ -141,13 +143,17 @@ async def rollout_worker(run: Run) -> None:
 
 
 async def train_one_step(run: Run, batch: list[Episode]) -> dict:
-    """Train on `batch`, then make every generator serve the new weights (version v+1)."""
+    """Train on `batch` (and, with self-imitation, on past best episodes), then make every generator
+    serve the new weights (version v+1)."""
     clock = time.perf_counter()
-    ref_logprobs = None
+    ref_logprobs, imitate = None, None
     if run.reference is not None:
         ref_logprobs = await run.reference.route("logprobs", [e.tokens for e in batch])
+    if run.imitation is not None:
+        run.imitation.add_batch(batch)
+        imitate = run.imitation.sample(run.cfg.grpo.self_imitation.episodes)
     timeout_s = run.cfg.trainer.timeout_s
-    metrics = await call(run.trainer, "train_step", batch, ref_logprobs, timeout_s=timeout_s)
+    metrics = await call(run.trainer, "train_step", batch, ref_logprobs, imitate, timeout_s=timeout_s)
     trained = time.perf_counter()
     run.version, run.step = run.version + 1, run.step + 1
     await call(run.trainer, "push_weights", run.version, timeout_s=timeout_s)
@@ -212,6 +218,8 @@ async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
             "train/ratio_max": metrics["ratio_max"],
             "train/behaviour_kl": metrics["behaviour_kl"],
             "train/is_masked_fraction": metrics.get("is_masked_fraction", 0.0),
+            "train/imitation_nll": metrics.get("imitation_nll", float("nan")),
+            "train/imitation_pool": len(run.imitation) if run.imitation is not None else 0,
             "train/mixed_version_episodes": metrics["mixed_version_episodes"],
             "train/policy_age": run.version - 1 - metrics["policy_version_min"],
             "train/episodes_per_s": (run.episodes_played - episodes_at_start) / (time.time() - start),
@@ -334,6 +342,7 @@ async def start(cfg: RunConfig, game, url: str) -> Run:
         sessions=SessionPool(url, cfg.env.max_concurrent, cfg.env.timeout_s),
         answer_length=cfg.sampling.max_tokens if getattr(game, "ANSWER_VOCABULARY", None) else 1,
         next_seed=cfg.seed * 1_000_000,
+        imitation=ImitationPool(cfg.grpo.self_imitation.capacity, cfg.seed) if cfg.grpo.self_imitation.episodes else None,
     )
     policy.after_restart = faults.catch_up  # a restarted generator loads the current weights before taking calls
     return run

@@ -110,11 +110,15 @@ class Trainer(ForgeActor):
         self.weights_group, self.sending = None, None
 
     @endpoint
-    async def train_step(self, batch: list[Episode], ref_logprobs: list[torch.Tensor] | None = None) -> dict[str, float]:
+    async def train_step(
+        self, batch: list[Episode], ref_logprobs: list[torch.Tensor] | None = None, imitate: list[Episode] | None = None
+    ) -> dict[str, float]:
         """All ranks (every rank gets the whole batch; returns the same metrics). One optimizer step.
 
         batch: whole groups (advantages are computed here, per group_id, from the rewards).
         ref_logprobs: per episode [T] reference log-probs aligned with tokens; needed if kl_coef > 0.
+        imitate: past best episodes (forge_rl/self_imitation.py) whose mean token NLL, times
+        grpo.self_imitation.coef, joins the loss of the same optimizer step.
         """
         t = self._tensors(batch, ref_logprobs)
         # Normalise by the whole batch so that micro-batches and ranks add up to its gradient.
@@ -144,6 +148,8 @@ class Trainer(ForgeActor):
             if n > 0:
                 ratio_min, ratio_max = min(ratio_min, m["ratio_min"].item()), max(ratio_max, m["ratio_max"].item())
 
+        imitation_nll = self._imitation_backward(imitate) if imitate else None
+
         grad_norm = clip_grad_norm_(list(self.model.parameters()), self.optim_config.max_grad_norm)
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         self.optimizers.step()
@@ -167,6 +173,8 @@ class Trainer(ForgeActor):
             mixed_version_episodes=sum(len(set(e.token_versions[e.loss_mask.bool()].tolist())) > 1 for e in batch)
             / len(batch),
         )
+        if imitation_nll is not None:
+            metrics.update(imitation_nll=imitation_nll, imitation_episodes=len(imitate))
         for a in ages:  # the trainer/behaviour ratio's extremes by the age of the token's version
             low, high = -self._all_max(-by_age[a][0]), self._all_max(by_age[a][1])
             if high >= low:
@@ -329,6 +337,31 @@ class Trainer(ForgeActor):
             logits=logits,
             denominator=denominator,
         )
+
+    def _imitation_backward(self, episodes: list[Episode]) -> float:
+        """Backward of coef x the mean NLL of the episodes' sampled tokens (their loss_mask); returns that NLL.
+        Same micro-batching and rank split as the GRPO loss, so FSDP's collectives pair up."""
+        length = max(len(e.tokens) for e in episodes)
+        tokens = pad_right([torch.as_tensor(e.tokens, dtype=torch.long) for e in episodes], length)
+        mask = pad_right([torch.as_tensor(e.loss_mask, dtype=torch.float32) for e in episodes], length)
+        mask[:, 0] = 0  # the first token has no prediction to train
+        lengths = torch.tensor([len(e.tokens) for e in episodes])
+        denominator = mask.sum().clamp(min=1).item()
+        rows = self._my_rows(len(episodes))
+        n_micro = max(1, int(self._all_max(math.ceil(len(rows) / self.micro_batch_size))))
+        nll = 0.0
+        for piece in torch.tensor_split(rows, n_micro):
+            weight = 1.0 if len(piece) else 0.0
+            piece = piece if len(piece) else torch.tensor([0])
+            end = max(2, int(lengths[piece].max()))
+            with autocast(self.device, self.dtype):
+                lp, _ = sequence_logprobs(
+                    self.model, tokens[piece, :end].to(self.device), False, self.allowed_token_ids, self.temperature
+                )
+            piece_nll = -(lp[:, 1:] * mask[piece, 1:end].to(self.device)).sum() * weight / denominator
+            (self.grpo.self_imitation.coef * piece_nll).backward()
+            nll += piece_nll.item()
+        return self._all_sum({"nll": nll})["nll"]
 
     def _my_rows(self, n: int) -> torch.Tensor:
         """This rank's contiguous slice of the batch's rows (sizes differ by at most one)."""

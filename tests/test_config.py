@@ -75,6 +75,8 @@ def write(tmp_path, text):
         (["grpo.is_correction.level=half"], r"grpo\.is_correction\.level: expected one of 'off'"),
         (["grpo.entropy_floor=0"], r"grpo\.entropy_floor: expected > 0 nats"),
         (["grpo.normalize_std=true", "grpo.normalize_mean=true"], r"grpo\.normalize_mean: divides by the group's mean instead"),
+        (["grpo.self_imitation.episodes=-1"], r"grpo\.self_imitation\.episodes: expected >= 0"),
+        (["grpo.self_imitation.capacity=0"], r"grpo\.self_imitation\.capacity: expected > 0"),
         (["grpo.entropy_floor=1.0", "grpo.entropy_coef=0"], r"grpo\.entropy_floor: 1\.0 holds the entropy up with the bonus, but entropy_coef is 0"),
     ],
 )
