@@ -130,13 +130,7 @@ class Trainer(ForgeActor):
         sums, ratio_min, ratio_max = defaultdict(float), math.inf, -math.inf
         ages = range(self.grpo.max_policy_age + 1)  # the same keys on every rank
         by_age = {a: [math.inf, -math.inf] for a in ages}  # age -> [ratio min, ratio max]
-        rows = self._my_rows(len(batch))
-        # Every rank runs the same number of forward/backward passes (FSDP's collectives pair
-        # up); a rank short of rows runs row 0 with its loss weighted 0.
-        n_micro = max(1, int(self._all_max(math.ceil(len(rows) / self.micro_batch_size))))
-        for piece in torch.tensor_split(rows, n_micro):
-            weight = 1.0 if len(piece) else 0.0
-            piece = piece if len(piece) else torch.tensor([0])
+        for piece, weight in self._micro_batches(len(batch)):
             loss, m = self._forward_loss(t, piece, weight, denominator, by_age)
             loss.backward()
             n = m["num_tokens"].item()
@@ -340,19 +334,15 @@ class Trainer(ForgeActor):
 
     def _imitation_backward(self, episodes: list[Episode]) -> float:
         """Backward of coef x the mean NLL of the episodes' sampled tokens (their loss_mask); returns that NLL.
-        Same micro-batching and rank split as the GRPO loss, so FSDP's collectives pair up."""
+        Micro-batched and split over ranks as the GRPO loss is."""
         length = max(len(e.tokens) for e in episodes)
         tokens = pad_right([torch.as_tensor(e.tokens, dtype=torch.long) for e in episodes], length)
         mask = pad_right([torch.as_tensor(e.loss_mask, dtype=torch.float32) for e in episodes], length)
         mask[:, 0] = 0  # the first token has no prediction to train
         lengths = torch.tensor([len(e.tokens) for e in episodes])
         denominator = mask.sum().clamp(min=1).item()
-        rows = self._my_rows(len(episodes))
-        n_micro = max(1, int(self._all_max(math.ceil(len(rows) / self.micro_batch_size))))
         nll = 0.0
-        for piece in torch.tensor_split(rows, n_micro):
-            weight = 1.0 if len(piece) else 0.0
-            piece = piece if len(piece) else torch.tensor([0])
+        for piece, weight in self._micro_batches(len(episodes)):
             end = max(2, int(lengths[piece].max()))
             with autocast(self.device, self.dtype):
                 lp, _ = sequence_logprobs(
@@ -362,6 +352,15 @@ class Trainer(ForgeActor):
             (self.grpo.self_imitation.coef * piece_nll).backward()
             nll += piece_nll.item()
         return self._all_sum({"nll": nll})["nll"]
+
+    def _micro_batches(self, n: int):
+        """This rank's rows of a batch of n, as (rows, loss weight) micro-batches. Every rank runs the same
+        number of forward/backward passes (FSDP's collectives pair up); a rank short of rows runs row 0
+        with its loss weighted 0."""
+        rows = self._my_rows(n)
+        n_micro = max(1, int(self._all_max(math.ceil(len(rows) / self.micro_batch_size))))
+        for piece in torch.tensor_split(rows, n_micro):
+            yield (piece, 1.0) if len(piece) else (torch.tensor([0]), 0.0)
 
     def _my_rows(self, n: int) -> torch.Tensor:
         """This rank's contiguous slice of the batch's rows (sizes differ by at most one)."""
