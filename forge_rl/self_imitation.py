@@ -9,6 +9,7 @@ trained on again: the supervised signal RL found, without a teacher.
 What joins the pool: per group, its best episode when it did better than the group's mean (SIL's
 "return above the value estimate", with the group mean as the value). Episodes keep exactly the ids
 sampled; the trainer (Trainer.train_step's `imitate`) adds `coef` times their mean token NLL to the loss.
+The pool lives on the controller and is not checkpointed: a resumed run starts it empty.
 """
 
 from __future__ import annotations
