@@ -218,8 +218,6 @@ async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
             "train/ratio_max": metrics["ratio_max"],
             "train/behaviour_kl": metrics["behaviour_kl"],
             "train/is_masked_fraction": metrics.get("is_masked_fraction", 0.0),
-            "train/imitation_nll": metrics.get("imitation_nll", float("nan")),
-            "train/imitation_pool": len(run.imitation) if run.imitation is not None else 0,
             "train/mixed_version_episodes": metrics["mixed_version_episodes"],
             "train/policy_age": run.version - 1 - metrics["policy_version_min"],
             "train/episodes_per_s": (run.episodes_played - episodes_at_start) / (time.time() - start),
@@ -230,6 +228,8 @@ async def train(run: Run, progress, workers: list[asyncio.Task]) -> None:
             "time/update_weights_s": metrics["load_s"],
         }
         values.update({f"train/{k}": v for k, v in metrics.items() if "/age_" in k})  # ratio extremes by token age
+        if run.imitation is not None:  # grpo.self_imitation: the pool, and the NLL of what was replayed
+            values.update({"train/imitation_pool": len(run.imitation), "train/imitation_nll": metrics.get("imitation_nll", float("nan"))})
         values.update({f"buffer/{k}": v for k, v in (await call(run.buffer, "stats", timeout_s=BUFFER_TIMEOUT_S)).items()})
         values.update({"rollout/errors": run.rollout_errors, "rollout/aborted_games": run.aborted_games})
         if cfg.eval.interval and (run.step % cfg.eval.interval == 0 or run.step == cfg.trainer.max_steps):  # and the final policy

@@ -39,7 +39,7 @@ def test_tiny_config_trains_on_graded_submissions(tmp_path):
     last = rows[-1]
     assert 0 <= last["eval/pass_all"] <= last["eval/pass_rate"] <= 1 and last["eval/tasks"] == 8
     assert last["train/invalid_rate"] == 0 and math.isfinite(last["train/loss"])
-    assert last["train/imitation_pool"] >= 0  # the committed config replays its passes (grpo.self_imitation)
+    assert "train/imitation_pool" in last  # the committed config replays its passes (grpo.self_imitation)
     assert "step 2 pass_all=" in out and "synthesizer=1.000" in out, out[-3000:]
     assert (run_dir / "learning_curve.png").stat().st_size > 1000
     # vLLM's and Monarch's lines go to the run's log, not the console
