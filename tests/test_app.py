@@ -203,6 +203,7 @@ def test_bad_app_module_or_env_server_exits_2_with_one_line(tmp_path):
         assert proc.returncode == 2 and len(lines) == 1 and named in lines[0] and "config error" in lines[0], out
 
 
+@pytest.mark.slow  # a minute here, two in CI (the suite keeps under 20): make test-slow runs it
 def test_sigterm_stops_like_ctrl_c(tmp_path):
     """kubectl delete or `timeout` send SIGTERM: the run must stop as cleanly as on Ctrl-C, also when a
     script started it in the background (SIGINT ignored, which the SIGTERM handler relies on)."""

@@ -37,6 +37,7 @@ def dead_url():
     return server.url  # stopped on leaving the block: nothing listens there any more
 
 
+@pytest.mark.slow  # 30 s here, a minute in CI (the suite keeps under 20): make test-slow runs it
 def test_an_evaluation_whose_games_all_aborted_reports_no_evaluation(dead_url):
     run = run_on(dead_url)
     values = asyncio.run(evaluation.evaluate(run))

@@ -51,6 +51,7 @@ def engine_core_of(pid: int) -> psutil.Process:
     return engine
 
 
+@pytest.mark.slow  # a minute here, two in CI (the suite keeps under 20): make test-slow runs it
 def test_a_generator_whose_vllm_engine_died_is_restarted_caught_up_and_its_calls_retried(tmp_path):
     """kill -9 of VLLM::EngineCore, the Monarch actor alive: its ping says ReplicaDead; a generate that
     meets it is retried on the restarted replica, which has caught up to the newest pushed weights; a
