@@ -43,6 +43,9 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+if __name__ == "__main__":  # a run's own process: skip openenv's gradio import (3-4 s), as the servers do
+    sys.modules.setdefault("gradio", None)  # (forge_rl/envs/__main__.py); openenv catches the ImportError
+
 from forge_rl import faults, store, weight_sync
 from forge_rl.actor import call, start_all, stop
 from forge_rl.batching import RequestBatcher

@@ -196,8 +196,9 @@ def test_a_resumed_run_forgets_the_rows_it_logs_again(tmp_path):
 
 
 def test_bad_app_module_or_env_server_exits_2_with_one_line(tmp_path):
-    for override, named in (("app_module=apps.nope", "app_module 'apps.nope'"), ("env.server=nope.env:Env", "env.server")):
-        proc = app(tmp_path / "run", override)
+    cases = (("app_module=apps.nope", "app_module 'apps.nope'"), ("env.server=nope.env:Env", "env.server"))
+    procs = [app(tmp_path / f"run{i}", override) for i, (override, _) in enumerate(cases)]  # both at once
+    for proc, (_, named) in zip(procs, cases):
         out, _ = proc.communicate(timeout=300)
         lines = [line for line in out.splitlines() if "Warning: setting HYPERACTOR" not in line]
         assert proc.returncode == 2 and len(lines) == 1 and named in lines[0] and "config error" in lines[0], out
