@@ -4,7 +4,9 @@ Measured: from `Trainer.push_weights(v)` until a Generator serves version v (`up
 once new requests sample with it): the trainer's HF state dict, the transport, vLLM's reload. Transports
 (forge_rl/weight_sync.py): shm (two shared-memory buffers), broadcast (gloo, trainer on 127.0.0.2 and
 the vLLM worker on 127.0.0.3, the two-address stand-in for two hosts), store (TorchStore state dict and a
-safetensors file: the fallback). Baseline: `{k: v.clone()}` of the same state dict on the controller.
+safetensors file: the fallback). Baseline: `dst.copy_(v)` of the same state dict on the controller into
+tensors allocated once (a memcpy; a fresh `clone()` each round also pays the kernel for new pages, and
+measured anywhere from 26 to 213 ms for 273 MB on one idle machine).
 Rounds alternate baseline and update, after one warm-up, so both see the same machine load; medians.
 
 Models: the tiny Qwen3 layout (fp32) scaled to about `--sizes` MB each (hidden 1024 up to 400 MB, else
@@ -14,7 +16,7 @@ Models: the tiny Qwen3 layout (fp32) scaled to about `--sizes` MB each (hidden 1
 
     python bench/engine_weight_sync.py [--sizes 256,1024 --paths shm,broadcast,store --rounds 3]
 
-Memory: each size holds the model about five times (trainer, engine, two buffers, the baseline's copy).
+Memory: each size holds the model about five times (trainer, engine, two buffers, the baseline's destination).
 """
 
 import argparse
@@ -49,6 +51,7 @@ async def rounds(path: str, model_dir: Path, generator, args, first_version: int
     """Seconds per round of the baseline copy and of the end-to-end update through transport `path`."""
     trainer = await Trainer.options(procs=1).as_actor(str(model_dir), weight_sync=path)
     state_dict = load_file(str(model_dir / "model.safetensors"))
+    destination = {k: torch.empty_like(v) for k, v in state_dict.items()}
     copies, updates = [], []
     try:
         if path == "broadcast":
@@ -56,9 +59,9 @@ async def rounds(path: str, model_dir: Path, generator, args, first_version: int
         for i in range(1 + args.rounds):
             version = first_version + i
             start = time.perf_counter()
-            copy = {k: v.clone() for k, v in state_dict.items()}
+            for name, tensor in state_dict.items():
+                destination[name].copy_(tensor)
             copied = time.perf_counter() - start
-            del copy
             start = time.perf_counter()
             await trainer.push_weights.call(version)
             await generator.update_weights.call_one(version)
