@@ -159,7 +159,10 @@ def pack_on_every_core(modules: list[torch.nn.Module]) -> None:
     cores = set(range(os.cpu_count() or 1))
 
     def pack(module: torch.nn.Module) -> None:
-        os.sched_setaffinity(0, cores)  # this thread only
+        try:
+            os.sched_setaffinity(0, cores)  # this thread only
+        except OSError:  # a sandbox that forbids it: pack where the worker may run
+            pass
         module.quant_method.process_weights_after_loading(module)
 
     with ThreadPoolExecutor(max_workers=min(len(cores), len(modules), 8) or 1) as pool:
