@@ -7,7 +7,9 @@ the vLLM worker on 127.0.0.3, the two-address stand-in for two hosts), store (To
 safetensors file: the fallback). Baseline: `dst.copy_(v)` of the same state dict on the controller into
 tensors allocated once (a memcpy; a fresh `clone()` each round also pays the kernel for new pages, and
 measured anywhere from 26 to 213 ms for 273 MB on one idle machine).
-Rounds alternate baseline and update, after one warm-up, so both see the same machine load; medians.
+Rounds alternate baseline and update, after two warm-ups, so both see the same machine load; medians.
+The warm-ups pay for first touches: each of the trainer's two buffers' pages, mapped into a process, and
+the vLLM worker's heap, which grows to hold two versions' repacked weights (273 MB: about 1.0 and 0.7 s).
 
 Models: the tiny Qwen3 layout (fp32) scaled to about `--sizes` MB each (hidden 1024 up to 400 MB, else
 2048). One line per transport and size, ratio = copy time / update time (1.0: as fast as a memcpy):
@@ -41,6 +43,9 @@ from forge_rl.tiny_model import build_tiny_model  # noqa: E402
 from forge_rl.trainer import Trainer  # noqa: E402
 
 
+WARMUPS = 2
+
+
 def model_shape(size_mb: int) -> tuple[int, int]:
     """(hidden, layers) of a tiny-layout Qwen3 of about `size_mb` MB in fp32 (9 h^2 weights a layer)."""
     hidden = 1024 if size_mb <= 400 else 2048
@@ -56,7 +61,7 @@ async def rounds(path: str, model_dir: Path, generator, args, first_version: int
     try:
         if path == "broadcast":
             await weight_sync.connect_broadcast(trainer, [generator], 1, "127.0.0.2", ["127.0.0.3"], free_port())
-        for i in range(1 + args.rounds):
+        for i in range(WARMUPS + args.rounds):
             version = first_version + i
             start = time.perf_counter()
             for name, tensor in state_dict.items():
@@ -67,7 +72,7 @@ async def rounds(path: str, model_dir: Path, generator, args, first_version: int
             await generator.update_weights.call_one(version)
             updated = time.perf_counter() - start
             await store.delete_version(version)
-            if i:
+            if i >= WARMUPS:
                 copies.append(copied)
                 updates.append(updated)
     finally:
@@ -89,7 +94,7 @@ async def main(args) -> None:
                 try:
                     for path in args.paths:
                         copies, updates = await rounds(path, model_dir, generator, args, version)
-                        version += 1 + args.rounds
+                        version += WARMUPS + args.rounds
                         ratio = statistics.median(copies) / statistics.median(updates)
                         print(f"weight_sync_vs_memcpy path={path} size_mb={mb:.0f} ratio={ratio:.3f}"
                               f"   (update {statistics.median(updates) * 1e3:.0f} ms, copy "

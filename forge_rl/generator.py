@@ -32,7 +32,7 @@ import torch
 from monarch.actor import concurrent_endpoint, endpoint
 from safetensors.torch import save_file
 
-from forge_rl import store, weight_sync
+from forge_rl import store, vllm_worker, weight_sync
 from forge_rl.actor import ForgeActor, ReplicaDead
 from forge_rl.config import GeneratorConfig
 from forge_rl.types import Completion
@@ -183,8 +183,12 @@ class Generator(ForgeActor):
     @endpoint
     async def setup(self) -> None:
         """All ranks (one per replica), blocking until the engine is up (tens of seconds on CPU)."""
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if current_platform.is_cpu():
+            for name, value in vllm_worker.KEEP_FREED_MEMORY.items():
+                os.environ.setdefault(name, value)  # for the engine processes vLLM spawns next
         self.engine = AsyncLLM.from_engine_args(engine_args(self.model_path, self.dtype, self.config, self.seed))
         await self.engine.update_weight_version(str(self.policy_version))
 

