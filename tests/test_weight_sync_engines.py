@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from forge_rl import store, weight_sync
+from forge_rl import store, vllm_worker, weight_sync
 from forge_rl.actor import stop
 from forge_rl.config import GeneratorConfig
 from forge_rl.generator import Generator
@@ -117,6 +117,18 @@ def test_two_replicas_load_one_shared_buffer_bit_exact(a):
     readers = processes_mapping(handle["path"]) - {trainer_pid}
     # each replica's vLLM worker and the Generator actor itself (its check before the gate)
     assert len(readers) >= 2, readers
+
+
+def test_vllm_workers_run_with_the_malloc_settings_that_keep_freed_memory(a):
+    """Set in the Generator's environment before vLLM spawns its engine processes, which read them at start."""
+    handle = a.run(store.get_handle(a.version))
+    workers = [p for p in map(psutil.Process, processes_mapping(handle["path"])) if p.name().startswith("VLLM::Worker")]
+    assert len(workers) == 2, workers  # one per replica
+    for worker in workers:
+        with open(f"/proc/{worker.pid}/environ", "rb") as f:  # raw: setproctitle leaves NULs psutil stops at
+            environment = set(f.read().decode(errors="replace").split("\0"))
+        for name, value in vllm_worker.KEEP_FREED_MEMORY.items():
+            assert f"{name}={value}" in environment, (worker, name)
 
 
 def test_the_engine_copies_the_buffer_it_loaded_from(a):
