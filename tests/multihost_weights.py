@@ -62,6 +62,7 @@ async def main(model_dir: str, workers: list[str]) -> dict:
         await trainer.push_weights.call(2)
         result["handle_kind"] = (await store.get_handle(2))["kind"]
         await generator.update_weights.call_one(2)
+        await generator.finish_loading.call_one()  # bit-exact needs the engine's own GEMM: repacking done
         result["broadcast"] = await logprobs()
         result["version"] = await generator.current_version.call_one()
         for name, actor in (("trainer", trainer), ("generator", generator)):

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -106,6 +107,64 @@ def test_a_read_overtaken_by_the_writer_is_refused_after_the_copy(buffers):
     assert len(rest) == 3 and first.numel()
     with pytest.raises(StaleWeightsError, match="holding version 3, not version 1"):
         weight_sync.check_buffer(weight_sync.map_buffer(handle.path), handle)
+
+
+def test_the_writer_waits_for_a_reader_holding_its_buffer(buffers, monkeypatch):
+    """A vLLM worker holds a shared lock on the buffer it loads from until it stops reading it (it serves from
+    it until repacked): the trainer's write of version v+2 over it waits, and past the timeout gives up with
+    version v intact."""
+    old = buffers.write(make_state_dict(1), 1)
+    buffers.write(make_state_dict(2), 2)
+    lock = weight_sync.lock_for_reading(old.path)
+    writer = threading.Thread(target=buffers.write, args=(make_state_dict(3), 3))
+    writer.start()
+    writer.join(0.5)
+    assert writer.is_alive()  # waiting for the reader
+    assert_bit_exact(read(old), make_state_dict(1))
+    os.close(lock)
+    writer.join(10)
+    assert not writer.is_alive()
+    with pytest.raises(StaleWeightsError, match="holding version 3, not version 1"):
+        read(old)
+
+    monkeypatch.setattr(weight_sync, "READERS_TIMEOUT_S", 0.2)
+    lock = weight_sync.lock_for_reading(old.path)
+    try:
+        with pytest.raises(RuntimeError, match="still being loaded by a generator after 0.2 s: not overwritten"):
+            buffers.write(make_state_dict(5), 5)
+        assert_bit_exact(read(WeightsHandle(**{**old.as_dict(), **buffers_header(old.path)})), make_state_dict(3))
+    finally:
+        os.close(lock)
+
+
+def buffers_header(path: str) -> dict:
+    token, version, _ = weight_sync.map_buffer(path)[: weight_sync.HEADER_BYTES].view(torch.int64)[:3].tolist()
+    return {"token": token, "version": version}
+
+
+def test_a_reader_refuses_a_buffer_the_writer_holds(buffers):
+    """The lock says it before the header does: a reader arriving mid-write does not get a shared lock."""
+    buffers.write(make_state_dict(1), 1)
+    midway, finish = threading.Event(), threading.Event()
+
+    class SlowWrite(dict):
+        def values(self):
+            for i, v in enumerate(super().values()):
+                if i == 2:
+                    midway.set()
+                    finish.wait(10)
+                yield v
+
+    writer = threading.Thread(target=buffers.write, args=(SlowWrite(make_state_dict(2)), 2))
+    writer.start()
+    try:
+        assert midway.wait(10)
+        with pytest.raises(StaleWeightsError, match="being written"):
+            weight_sync.lock_for_reading(buffers.paths[0])
+    finally:
+        finish.set()
+        writer.join(10)
+    os.close(weight_sync.lock_for_reading(buffers.paths[0]))  # free again once written
 
 
 def test_buffers_of_a_writer_killed_with_minus_9_are_removed_and_a_live_writers_are_not(buffers):
