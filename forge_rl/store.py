@@ -86,8 +86,10 @@ async def put_handle(handle: dict, version: int, prefix: str = "policy") -> None
 
 async def get_handle(version: int, prefix: str = "policy") -> dict | None:
     """The WeightsHandle dict of `version`, or None when only a state dict was put (or nothing)."""
-    key = version_key(version, prefix) + "/handle"
-    return await torchstore.get(key) if await torchstore.exists(key) else None
+    try:
+        return await torchstore.get(version_key(version, prefix) + "/handle")
+    except KeyError:  # torchstore 0.1.2: a missing key fails its volume lookup with KeyError
+        return None
 
 
 async def list_versions(prefix: str = "policy") -> list[int]:

@@ -183,26 +183,37 @@ class Trainer(ForgeActor):
         it; the next push waits for it): the number of tensors on rank 0, 0 elsewhere."""
         state = fused_order(hf_state_dict(self.model, self.adapter, self.dtype))
         if self.rank == 0:
-            handle = await self._send_weights(state, version)
-            await store.put_handle(handle.as_dict(), version)
+            await self._send_weights(state, version)
         if dist.is_initialized():
             dist.barrier()
         self.policy_version = version
         return len(state)
 
-    async def _send_weights(self, state: dict[str, torch.Tensor], version: int) -> WeightsHandle:
-        if self.weight_sync == "shm":
-            return await asyncio.to_thread(self.shared_buffers.write, state, version)
+    async def _send_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Rank 0: the bytes by the weight_sync transport, the version's handle into TorchStore."""
+        if self.weight_sync == "shm":  # the handle goes in while the bytes are written; until they are,
+            handle = self.shared_buffers.claim(state, version)  # a reader given it refuses the buffer
+            written, put = await asyncio.gather(asyncio.to_thread(self.shared_buffers.fill, state, handle),
+                                                store.put_handle(handle.as_dict(), version), return_exceptions=True)
+            if isinstance(written, BaseException):
+                if not isinstance(put, BaseException):
+                    await store.delete_version(version)  # no record of a version whose bytes are not there
+                raise written
+            if isinstance(put, BaseException):
+                raise put
+            return
         if self.weight_sync == "store":
             await store.put_state_dict(state, version)
-            return WeightsHandle("store", version)
-        if self.weights_group is None:
-            raise RuntimeError("Trainer: weight_sync is broadcast but join_weights_group was never called")
-        if self.sending is not None:
-            await self.sending  # one broadcast at a time, in version order
-        layout, nbytes = make_layout(state)
-        self.sending = asyncio.ensure_future(asyncio.to_thread(broadcast_send, self.weights_group, state))
-        return WeightsHandle("broadcast", version, socket.gethostname(), layout=layout, nbytes=nbytes)
+            handle = WeightsHandle("store", version)
+        else:
+            if self.weights_group is None:
+                raise RuntimeError("Trainer: weight_sync is broadcast but join_weights_group was never called")
+            if self.sending is not None:
+                await self.sending  # one broadcast at a time, in version order
+            layout, nbytes = make_layout(state)
+            self.sending = asyncio.ensure_future(asyncio.to_thread(broadcast_send, self.weights_group, state))
+            handle = WeightsHandle("broadcast", version, socket.gethostname(), layout=layout, nbytes=nbytes)
+        await store.put_handle(handle.as_dict(), version)
 
     @endpoint
     async def join_weights_group(self, rendezvous: str, port: int, world: int, bind: str) -> None:

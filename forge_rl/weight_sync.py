@@ -128,23 +128,34 @@ class SharedBuffers:
 
     def write(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsHandle:
         """Copy `state_dict` into buffer version % 2 and return its handle (put it in TorchStore after)."""
+        handle = self.claim(state_dict, version)
+        self.fill(state_dict, handle)
+        return handle
+
+    def claim(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsHandle:
+        """The handle of `version` in buffer version % 2 once `fill` has written it (the buffers are
+        allocated on first use). Readers given it earlier refuse the buffer: its header holds another token."""
         layout, nbytes = make_layout(state_dict)
         if nbytes > self.nbytes:
             self._allocate(nbytes)
-        slot = version % 2
-        buffer, token = self.buffers[slot], secrets.randbits(62) + 1
+        token = secrets.randbits(62) + 1
+        return WeightsHandle("shm", version, socket.gethostname(), self.paths[version % 2], token, layout, nbytes)
+
+    def fill(self, state_dict: dict[str, torch.Tensor], handle: WeightsHandle) -> None:
+        """Copy `state_dict` into the buffer `handle` claimed; its header holds `handle` when this returns."""
+        slot = self.paths.index(handle.path)
+        buffer = self.buffers[slot]
         header = buffer[:HEADER_BYTES].view(torch.int64)
         self._wait_for_readers(slot)
         try:
             header[0] = 0  # invalidate first: a reader that meets this buffer now refuses it
             payload = buffer[HEADER_BYTES:]
-            for (_, view), t in zip(tensor_views(payload, layout), state_dict.values()):
+            for (_, view), t in zip(tensor_views(payload, handle.layout), state_dict.values()):
                 view.copy_(t)
-            header[1], header[2] = version, nbytes
-            header[0] = token  # last
+            header[1], header[2] = handle.version, handle.nbytes
+            header[0] = handle.token  # last
         finally:
             fcntl.flock(self.locks[slot], fcntl.LOCK_UN)
-        return WeightsHandle("shm", version, socket.gethostname(), self.paths[slot], token, layout, nbytes)
 
     def _wait_for_readers(self, slot: int) -> None:
         """Lock buffer `slot` exclusively, once no reader holds it (a generator still loading the version
