@@ -17,7 +17,7 @@ the vLLM worker's heap, which grows to hold two versions' repacked weights (273 
 Models: the tiny Qwen3 layout (fp32) scaled to about `--sizes` MB each (hidden 1024 up to 400 MB, else
 2048). One line per transport and size, ratio = copy time / update time (1.0: as fast as a memcpy):
 
-    weight_sync_vs_memcpy path=shm size_mb=264 ratio=0.41
+    weight_sync_vs_memcpy path=shm size_mb=273 ratio=0.389
 
     python bench/engine_weight_sync.py [--sizes 256,1024 --paths shm,broadcast,store --rounds 3]
 
