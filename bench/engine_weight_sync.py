@@ -19,7 +19,9 @@ Models: the tiny Qwen3 layout (fp32) scaled to about `--sizes` MB each (hidden 1
 
     weight_sync_vs_memcpy path=shm size_mb=273 ratio=0.389
 
-    python bench/engine_weight_sync.py [--sizes 256,1024 --paths shm,broadcast,store --rounds 3]
+    python bench/engine_weight_sync.py [--sizes 256,1024 --paths shm,broadcast,store --rounds 3 --trainer-ranks 1]
+
+With --trainer-ranks 2 the trainer is sharded (FSDP2): its push gathers each tensor as it copies it.
 
 Memory: each size holds the model about five times (trainer, engine, two buffers, the baseline's destination).
 """
@@ -58,7 +60,7 @@ def model_shape(size_mb: int) -> tuple[int, int]:
 async def rounds(path: str, model_dir: Path, generator, args, first_version: int) -> tuple[list, list, list]:
     """Seconds per round of the baseline copy, of the end-to-end update through transport `path`, and of
     the same until the engine's repacking is done."""
-    trainer = await Trainer.options(procs=1).as_actor(str(model_dir), weight_sync=path)
+    trainer = await Trainer.options(procs=args.trainer_ranks).as_actor(str(model_dir), weight_sync=path)
     state_dict = load_file(str(model_dir / "model.safetensors"))
     destination = {k: torch.empty_like(v) for k, v in state_dict.items()}
     copies, updates, loads = [], [], []
@@ -106,7 +108,8 @@ async def main(args) -> None:
                         print(f"weight_sync_vs_memcpy path={path} size_mb={mb:.0f} ratio={ratio:.3f}"
                               f"   (update {statistics.median(updates) * 1e3:.0f} ms, copy "
                               f"{statistics.median(copies) * 1e3:.0f} ms, repacked after "
-                              f"{statistics.median(loads) * 1e3:.0f} ms; hidden {hidden}, {layers} layers)", flush=True)
+                              f"{statistics.median(loads) * 1e3:.0f} ms; hidden {hidden}, {layers} layers; trainer on "
+                              f"{args.trainer_ranks} rank{'s' if args.trainer_ranks > 1 else ''})", flush=True)
                 finally:
                     await stop(generator)
     finally:
@@ -119,4 +122,5 @@ if __name__ == "__main__":
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1024], help="MB")
     parser.add_argument("--paths", type=lambda s: s.split(","), default=["shm", "broadcast", "store"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--trainer-ranks", type=int, default=1, help="FSDP2 over this many trainer processes (gloo)")
     asyncio.run(main(parser.parse_args()))

@@ -11,13 +11,15 @@ ids, position t of every [B, T] tensor is about token t).
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torchtitan.models.llama3 import Transformer as Llama3Model
 from torchtitan.models.llama3 import TransformerModelArgs as Llama3ModelArgs
@@ -27,6 +29,7 @@ from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
 from forge_rl.loss import token_logprobs
+from forge_rl.weight_sync import fused_order
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -188,16 +191,31 @@ def load_hf_weights(model: torch.nn.Module, adapter, hf_dir: Path) -> None:
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
 
 
-def hf_state_dict(model: torch.nn.Module, adapter, dtype: str = "float32") -> dict[str, torch.Tensor]:
-    """Full, HF-named CPU state dict on rank 0 (other ranks get {}: no copy of the whole model
-    on every rank). Collective when sharded: every rank must call it. An unsharded model on CPU
-    gives its parameters themselves (no copy), without get_model_state_dict's bookkeeping, which
-    costs about as much as a 30 MB copy per call."""
-    if isinstance(model, FSDPModule) or next(model.parameters()).device.type != "cpu":
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        full = model.state_dict()
-    return {k: v.to(DTYPES[dtype]) for k, v in adapter.to_hf(full).items()}
+def hf_weights(model: torch.nn.Module, adapter, dtype: str = "float32") -> tuple[dict[str, torch.Tensor], Iterator[torch.Tensor]]:
+    """The model's weights under HF names, one tensor at a time, for the weight sync: (HF name -> a meta
+    tensor of its shape and dtype, in `fused_order`; an iterator over the tensors themselves, in that order).
+
+    Collective when sharded: every rank must exhaust the iterator. Each step casts one parameter's shard
+    to `dtype` and gathers it (`DTensor.full_tensor()`), so the caller copies it where it goes (a shared
+    memory buffer, the broadcast's) and no rank ever holds a second whole copy of the model, as
+    get_model_state_dict's full state dict is. An unsharded model gives its parameters themselves (no copy
+    in fp32), on whatever device they live."""
+    target = DTYPES[dtype]
+    sources, shapes = {}, {}
+    for name, param in model.state_dict().items():  # detached; DTensor shards when sharded, no communication
+        for hf_name, meta in adapter.to_hf({name: torch.empty(param.shape, dtype=target, device="meta")}).items():
+            sources[hf_name], shapes[hf_name] = (name, param), meta
+    shapes = fused_order(shapes)
+
+    def tensors() -> Iterator[torch.Tensor]:
+        for hf_name in shapes:
+            name, param = sources[hf_name]
+            param = param.to(target)
+            if isinstance(param, DTensor):
+                param = param.full_tensor()
+            yield adapter.to_hf({name: param})[hf_name]  # per key: renames, and Llama's q/k permutation
+
+    return shapes, tensors()
 
 
 def autocast(device: torch.device, dtype: str):

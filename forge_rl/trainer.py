@@ -15,6 +15,7 @@ import asyncio
 import math
 import socket
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,14 +36,14 @@ from forge_rl.loss import grpo_loss, rollout_advantages
 from forge_rl.titan_model import (
     autocast,
     build_model,
-    hf_state_dict,
+    hf_weights,
     init_distributed,
     logprobs_of,
     pad_right,
     sequence_logprobs,
 )
 from forge_rl.types import Episode
-from forge_rl.weight_sync import SharedBuffers, WeightsHandle, broadcast_send, fused_order, join_group, make_layout
+from forge_rl.weight_sync import SharedBuffers, WeightsHandle, broadcast_send, join_group, make_layout
 
 # Metrics that are token-weighted means inside grpo_loss; summed * num_tokens across pieces.
 _MEAN_METRICS = (
@@ -146,6 +147,7 @@ class Trainer(ForgeActor):
 
         grad_norm = clip_grad_norm_(list(self.model.parameters()), self.optim_config.max_grad_norm)
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        await self._broadcast_sent()  # the last push may still be sending these parameters
         self.optimizers.step()
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
@@ -177,23 +179,28 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def push_weights(self, version: int) -> int:
-        """All ranks gather the full HF-named state dict (collective); rank 0 sends the bytes by the
-        weight_sync transport and puts the version's handle in TorchStore (forge_rl/weight_sync.py).
-        Returns once generators can fetch it (a broadcast is then under way and completes as they take
-        it; the next push waits for it): the number of tensors on rank 0, 0 elsewhere."""
-        state = fused_order(hf_state_dict(self.model, self.adapter, self.dtype))
-        if self.rank == 0:
-            await self._send_weights(state, version)
-        if dist.is_initialized():
-            dist.barrier()
+        """All ranks gather the HF-named weights one tensor at a time (collective when sharded); rank 0
+        copies each where the weight_sync transport takes it and puts the version's handle in TorchStore
+        (forge_rl/weight_sync.py). Returns once generators can fetch it (a broadcast is then under way
+        and completes as they take it; the next push waits for it): the number of tensors on rank 0, 0
+        elsewhere."""
+        shapes, tensors = hf_weights(self.model, self.adapter, self.dtype)
+        try:
+            if self.rank == 0:
+                await self._send_weights(shapes, tensors, version)
+        finally:  # whatever failed on rank 0: the others wait in its gathers and at the barrier
+            await asyncio.to_thread(drain, tensors)
+            if dist.is_initialized():
+                dist.barrier()
         self.policy_version = version
-        return len(state)
+        return len(shapes) if self.rank == 0 else 0
 
-    async def _send_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Rank 0: the bytes by the weight_sync transport, the version's handle into TorchStore."""
+    async def _send_weights(self, shapes: dict[str, torch.Tensor], tensors: Iterator[torch.Tensor], version: int) -> None:
+        """Rank 0: `tensors` (of `shapes`, in order) by the weight_sync transport, the version's handle
+        into TorchStore."""
         if self.weight_sync == "shm":  # the handle goes in while the bytes are written; until they are,
-            handle = self.shared_buffers.claim(state, version)  # a reader given it refuses the buffer
-            written, put = await asyncio.gather(asyncio.to_thread(self.shared_buffers.fill, state, handle),
+            handle = self.shared_buffers.claim(shapes, version)  # a reader given it refuses the buffer
+            written, put = await asyncio.gather(asyncio.to_thread(self.shared_buffers.fill, tensors, handle),
                                                 store.put_handle(handle.as_dict(), version), return_exceptions=True)
             if isinstance(written, BaseException):
                 if not isinstance(put, BaseException):
@@ -203,17 +210,23 @@ class Trainer(ForgeActor):
                 raise put
             return
         if self.weight_sync == "store":
-            await store.put_state_dict(state, version)
+            await store.put_state_dict(dict(zip(shapes, tensors, strict=True)), version)
             handle = WeightsHandle("store", version)
         else:
             if self.weights_group is None:
                 raise RuntimeError("Trainer: weight_sync is broadcast but join_weights_group was never called")
-            if self.sending is not None:
-                await self.sending  # one broadcast at a time, in version order
-            layout, nbytes = make_layout(state)
-            self.sending = asyncio.ensure_future(asyncio.to_thread(broadcast_send, self.weights_group, state))
+            await self._broadcast_sent()  # one at a time, in version order
+            tensors = list(tensors)  # sharded: gathered now; else the parameters themselves, which
+            layout, nbytes = make_layout(shapes)  # train_step leaves alone until they are sent
+            self.sending = asyncio.ensure_future(asyncio.to_thread(broadcast_send, self.weights_group, tensors))
             handle = WeightsHandle("broadcast", version, socket.gethostname(), layout=layout, nbytes=nbytes)
         await store.put_handle(handle.as_dict(), version)
+
+    async def _broadcast_sent(self) -> None:
+        """Wait until the generators have taken the last broadcast (it may still read the parameters)."""
+        if self.sending is not None:
+            sending, self.sending = self.sending, None
+            await sending
 
     @endpoint
     async def join_weights_group(self, rendezvous: str, port: int, world: int, bind: str) -> None:
@@ -244,6 +257,7 @@ class Trainer(ForgeActor):
     async def load_checkpoint(self, path: str) -> dict[str, int]:
         """All ranks. Restore what save_checkpoint wrote (any earlier number of ranks works for the
         model and optimizer); training then continues with the same numbers."""
+        await self._broadcast_sent()
         state = self._checkpoint_state()
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(self.model, state["model"])
@@ -391,3 +405,9 @@ class Trainer(ForgeActor):
         t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return dict(zip(keys, t.tolist()))
+
+
+def drain(tensors: Iterator[torch.Tensor]) -> None:
+    """Take what is left of `hf_weights`' iterator (when sharded, each step is a gather all ranks join)."""
+    for _ in tensors:
+        pass

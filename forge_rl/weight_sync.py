@@ -31,7 +31,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import psutil
@@ -129,29 +129,30 @@ class SharedBuffers:
     def write(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsHandle:
         """Copy `state_dict` into buffer version % 2 and return its handle (put it in TorchStore after)."""
         handle = self.claim(state_dict, version)
-        self.fill(state_dict, handle)
+        self.fill(state_dict.values(), handle)
         return handle
 
     def claim(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsHandle:
         """The handle of `version` in buffer version % 2 once `fill` has written it (the buffers are
-        allocated on first use). Readers given it earlier refuse the buffer: its header holds another token."""
+        allocated on first use; `state_dict`'s tensors may be meta: only shapes and dtypes are read).
+        Readers given the handle earlier refuse the buffer: its header holds another token."""
         layout, nbytes = make_layout(state_dict)
         if nbytes > self.nbytes:
             self._allocate(nbytes)
         token = secrets.randbits(62) + 1
         return WeightsHandle("shm", version, socket.gethostname(), self.paths[version % 2], token, layout, nbytes)
 
-    def fill(self, state_dict: dict[str, torch.Tensor], handle: WeightsHandle) -> None:
-        """Copy `state_dict` into the buffer `handle` claimed; its header holds `handle` when this returns."""
+    def fill(self, tensors: Iterable[torch.Tensor], handle: WeightsHandle) -> None:
+        """Copy `tensors` (in the claimed state dict's order) into the buffer `handle` claimed; its header
+        holds `handle` when this returns."""
         slot = self.paths.index(handle.path)
         buffer = self.buffers[slot]
         header = buffer[:HEADER_BYTES].view(torch.int64)
         self._wait_for_readers(slot)
         try:
             header[0] = 0  # invalidate first: a reader that meets this buffer now refuses it
-            payload = buffer[HEADER_BYTES:]
-            for (_, view), t in zip(tensor_views(payload, handle.layout), state_dict.values()):
-                view.copy_(t)
+            for (_, view), t in zip(tensor_views(buffer[HEADER_BYTES:], handle.layout), tensors, strict=True):
+                view.copy_(t)  # one at a time: a sharded trainer gathers each as its turn comes
             header[1], header[2] = handle.version, handle.nbytes
             header[0] = handle.token  # last
         finally:
@@ -311,10 +312,10 @@ def group_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def broadcast_send(group, state_dict: dict[str, torch.Tensor]) -> None:
+def broadcast_send(group, tensors: list[torch.Tensor]) -> None:
     """Rank 0 (trainer): send every tensor, in the handle's layout order."""
     device = group_device()
-    for t in state_dict.values():
+    for t in tensors:
         group.broadcast(t.to(device).contiguous(), 0).wait()
 
 

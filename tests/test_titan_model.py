@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from forge_rl.envs.client import free_port
 from forge_rl.tiny_model import build_tiny_model
-from forge_rl.titan_model import build_model, hf_state_dict, logprobs_of
+from forge_rl.titan_model import build_model, hf_weights, logprobs_of
 from tests.test_trainer import hf_logprobs
 
 
@@ -22,6 +22,11 @@ def tied_model(path):
     weights.pop("lm_head.weight")
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def hf_state_dict(model, adapter) -> dict:
+    shapes, tensors = hf_weights(model, adapter)
+    return dict(zip(shapes, tensors, strict=True))
 
 
 def test_tied_embeddings_survive_fsdp_and_round_trip(tmp_path):
@@ -37,6 +42,33 @@ def test_tied_embeddings_survive_fsdp_and_round_trip(tmp_path):
         assert set(out) == set(original)  # to_hf leaves the tied head out again
         for name, tensor in original.items():
             torch.testing.assert_close(out[name], tensor, atol=0, rtol=0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_weights_are_gathered_one_tensor_at_a_time_in_the_sync_dtype(tmp_path, monkeypatch):
+    """What push_weights copies from: each parameter gathered (full_tensor) only when its turn comes, never
+    a whole second model at once, cast before the gather; bit-exact to the checkpoint cast alike."""
+    from torch.distributed.tensor import DTensor
+
+    path = build_tiny_model(tmp_path / "m")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model, adapter = build_model(path, torch.device("cpu"), shard=True)
+        gathered, full_tensor = [], DTensor.full_tensor
+        monkeypatch.setattr(DTensor, "full_tensor", lambda self, **kw: gathered.append(self.dtype) or full_tensor(self, **kw))
+        shapes, tensors = hf_weights(model, adapter, "bfloat16")
+        assert gathered == [] and {(t.device.type, t.dtype) for t in shapes.values()} == {("meta", torch.bfloat16)}
+        out = {}
+        for name, tensor in zip(shapes, tensors, strict=True):
+            out[name] = tensor
+            assert len(gathered) == len(out)  # one gather per tensor taken, as it is taken
+        assert set(gathered) == {torch.bfloat16}
+        original = load_file(str(path / "model.safetensors"))
+        assert set(out) == set(original)
+        for name, tensor in original.items():
+            assert out[name].shape == shapes[name].shape
+            torch.testing.assert_close(out[name], tensor.to(torch.bfloat16), atol=0, rtol=0)
     finally:
         dist.destroy_process_group()
 

@@ -201,6 +201,126 @@ def test_push_weights_puts_hf_weights_in_the_store(loop, actors, model_dir):
     assert_lists_close(hf_logprobs(model_dir, ids, pushed), trainer_lp, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def pushers(loop, model_dir, actors):
+    """Trainers pushing by each transport: 2 ranks through shared memory, 2 ranks and 1 rank by broadcast
+    (to this process, once `broadcast_group` made it their group's rank 1)."""
+    from types import SimpleNamespace
+
+    def trainer(procs, weight_sync):
+        return Trainer.options(procs=procs).as_actor(model_dir, GRPO, OPTIM, micro_batch_size=2, weight_sync=weight_sync)
+
+    async def start():
+        return await asyncio.gather(trainer(2, "shm"), trainer(2, "broadcast"), trainer(1, "broadcast"))
+
+    shm, broadcast, unsharded = loop.run_until_complete(start())
+    yield SimpleNamespace(shm=shm, broadcast=broadcast, unsharded=unsharded, groups={})
+
+    async def finish():
+        await asyncio.gather(stop(shm), stop(broadcast), stop(unsharded))
+
+    loop.run_until_complete(finish())
+
+
+def broadcast_group(loop, pushers, name: str):
+    """This process as rank 1 of trainer `name`'s broadcast group (formed on first use)."""
+    from forge_rl.envs.client import free_port
+    from forge_rl.weight_sync import join_group
+
+    async def join(trainer, port):
+        _, group = await asyncio.gather(trainer.join_weights_group.call("127.0.0.1", port, 2, "127.0.0.1"),
+                                        asyncio.to_thread(join_group, "127.0.0.1", port, 1, 2, "127.0.0.1", 120))
+        return group
+
+    if name not in pushers.groups:
+        pushers.groups[name] = loop.run_until_complete(join(getattr(pushers, name), free_port()))
+    return pushers.groups[name]
+
+
+async def within(awaitable, seconds):
+    return await asyncio.wait_for(awaitable, seconds)
+
+
+def received(handle: dict, group) -> dict[str, torch.Tensor]:
+    """What a generator's vLLM worker on this host would load from `handle`, copied."""
+    from forge_rl.weight_sync import WeightsHandle, broadcast_receive, shared_views, tensor_views
+
+    handle = WeightsHandle(**handle)
+    if handle.kind == "shm":
+        return {k: v.clone() for k, v in shared_views(handle)}
+    return {k: v.clone() for k, v in tensor_views(broadcast_receive(group, handle, None), handle.layout)}
+
+
+def push(loop, trainer, version, group=None) -> dict[str, torch.Tensor]:
+    """Push `version` from every rank of `trainer`; what a generator then loads."""
+    counts = ranks(loop.run_until_complete(within(trainer.push_weights.call(version), 120)))
+    assert counts[1:] == [0] * (len(counts) - 1)  # other ranks only gather
+    return received(loop.run_until_complete(store.get_handle(version)), group)
+
+
+def train(loop, trainer):
+    batch = make_batch(seed=5)
+    loop.run_until_complete(trainer.train_step.call(batch, [torch.zeros(len(e.tokens)) for e in batch]))
+
+
+def assert_equal_to_checkpoint(model_dir, pushed):
+    from safetensors.torch import load_file
+
+    original = load_file(f"{model_dir}/model.safetensors")
+    assert set(pushed) == set(original)
+    for name, tensor in original.items():
+        torch.testing.assert_close(pushed[name], tensor, atol=0, rtol=0)
+
+
+def assert_trained_weights(loop, trainer, model_dir, pushed):
+    from safetensors.torch import load_file
+
+    ids = [e.tokens for e in make_batch(seed=4)]
+    assert not torch.equal(pushed["lm_head.weight"], load_file(f"{model_dir}/model.safetensors")["lm_head.weight"])
+    assert_lists_close(hf_logprobs(model_dir, ids, pushed), ranks(loop.run_until_complete(trainer.logprobs.call(ids)))[0], atol=1e-5)
+
+
+def test_a_push_failing_on_rank_0_leaves_the_ranks_in_step(loop, pushers):
+    """Rank 0 refuses (no broadcast group yet) while rank 1 gathers with it: the push fails with the reason,
+    no rank is left waiting in a gather, and the next push works."""
+    with pytest.raises(ActorError, match="join_weights_group was never called"):
+        loop.run_until_complete(within(pushers.broadcast.push_weights.call(30), 120))
+    push(loop, pushers.broadcast, 30, broadcast_group(loop, pushers, "broadcast"))
+
+
+@pytest.mark.parametrize("transport", ["shm", "broadcast"])
+def test_two_rank_trainers_push_each_tensor_gathered_bit_exact(loop, pushers, model_dir, transport):
+    """FSDP over 2 ranks: each HF tensor is gathered (full_tensor) as its turn comes, straight into the
+    shared-memory buffer or the broadcast: bit-exact to the checkpoint before training, the trained weights after."""
+    trainer = getattr(pushers, transport)
+    group = broadcast_group(loop, pushers, transport) if transport == "broadcast" else None
+    assert_equal_to_checkpoint(model_dir, push(loop, trainer, 21, group))
+    train(loop, trainer)
+    assert_trained_weights(loop, trainer, model_dir, push(loop, trainer, 22, group))
+
+
+def test_an_unsharded_trainer_steps_only_once_its_broadcast_is_sent(loop, pushers, model_dir):
+    """One rank: the broadcast sends the parameters themselves after push returns, so the next optimizer step
+    waits for the generators to take it; they get exactly the pushed version."""
+    trainer, group = pushers.unsharded, broadcast_group(loop, pushers, "unsharded")
+    loop.run_until_complete(trainer.push_weights.call(41))
+    handle = loop.run_until_complete(store.get_handle(41))
+    batch = make_batch(seed=5)
+
+    async def step_while_sending():
+        step = asyncio.ensure_future(within(trainer.train_step.call(batch, [torch.zeros(len(e.tokens)) for e in batch]), 120))
+        await asyncio.sleep(5)  # a step of the tiny model takes well under a second
+        waited = not step.done()
+        pushed = await asyncio.to_thread(received, handle, group)
+        await step
+        return waited, pushed
+
+    waited, pushed = loop.run_until_complete(step_while_sending())
+    assert waited
+    assert_equal_to_checkpoint(model_dir, pushed)
+    assert_trained_weights(loop, trainer, model_dir, push(loop, trainer, 42, group))
+
+
 # ---- In this process, no actors: the batch layout and one train step alone.
 
 

@@ -217,7 +217,7 @@ def _broadcast_member(rank: int, port: int, bind: str, results) -> None:
     state_dict = make_state_dict(1)
     layout, nbytes = weight_sync.make_layout(state_dict)
     if rank == 0:
-        weight_sync.broadcast_send(group, state_dict)
+        weight_sync.broadcast_send(group, list(state_dict.values()))
     else:
         staging = weight_sync.broadcast_receive(group, WeightsHandle("broadcast", 1, layout=layout, nbytes=nbytes), None)
         results.put(as_bytes(dict(weight_sync.tensor_views(staging, layout))))
