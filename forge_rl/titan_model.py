@@ -19,7 +19,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torchtitan.models.llama3 import Transformer as Llama3Model
 from torchtitan.models.llama3 import TransformerModelArgs as Llama3ModelArgs
@@ -201,21 +202,58 @@ def hf_weights(model: torch.nn.Module, adapter, dtype: str = "float32") -> tuple
     get_model_state_dict's full state dict is. An unsharded model gives its parameters themselves (no copy
     in fp32), on whatever device they live."""
     target = DTYPES[dtype]
-    sources, shapes = {}, {}
-    for name, param in model.state_dict().items():  # detached; DTensor shards when sharded, no communication
-        for hf_name, meta in adapter.to_hf({name: torch.empty(param.shape, dtype=target, device="meta")}).items():
-            sources[hf_name], shapes[hf_name] = (name, param), meta
-    shapes = fused_order(shapes)
+    shapes, sources, _ = hf_sources(model, adapter, target)
 
     def tensors() -> Iterator[torch.Tensor]:
         for hf_name in shapes:
-            name, param = sources[hf_name]
-            param = param.to(target)
-            if isinstance(param, DTensor):
-                param = param.full_tensor()
-            yield adapter.to_hf({name: param})[hf_name]  # per key: renames, and Llama's q/k permutation
+            yield gathered(adapter, *sources[hf_name], hf_name, target)
 
     return shapes, tensors()
+
+
+def hf_weight_rows(model: torch.nn.Module, adapter, dtype: str = "float32") -> tuple[dict[str, torch.Tensor], Iterator]:
+    """`hf_weights` for a sharded trainer whose ranks all write into one shared-memory buffer: each step
+    gives (first row, tensor) for this rank to copy there. A parameter sharded by rows (FSDP2's Shard(0))
+    that HF only renames gives this rank's own rows, cast, with no communication at all; any other is
+    gathered as by `hf_weights`: (0, the whole tensor) on rank 0, (0, None) elsewhere. Collective."""
+    target = DTYPES[dtype]
+    shapes, sources, renamed = hf_sources(model, adapter, target)
+    rank = dist.get_rank()
+
+    def rows() -> Iterator[tuple[int, torch.Tensor | None]]:
+        for hf_name in shapes:
+            name, param = sources[hf_name]
+            if hf_name in renamed and isinstance(param, DTensor) and param.device_mesh.ndim == 1 and param.placements == (Shard(0),):
+                _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+                yield offset[0], param.to_local().to(target)
+            else:
+                tensor = gathered(adapter, name, param, hf_name, target)
+                yield 0, tensor if rank == 0 else None
+
+    return shapes, rows()
+
+
+def hf_sources(model: torch.nn.Module, adapter, target: torch.dtype) -> tuple[dict, dict, set]:
+    """(HF name -> meta tensor, in `fused_order`; HF name -> (TorchTitan name, parameter); the HF names that
+    are their parameter only renamed). From `model.state_dict()`: detached, DTensor shards when sharded,
+    no communication; `adapter.to_hf` is per key, so it maps meta tensors as well."""
+    shapes, sources, renamed = {}, {}, set()
+    for name, param in model.state_dict().items():
+        meta = torch.empty(param.shape, dtype=target, device="meta")
+        for hf_name, hf_meta in adapter.to_hf({name: meta}).items():
+            sources[hf_name], shapes[hf_name] = (name, param), hf_meta
+            if hf_meta is meta:
+                renamed.add(hf_name)
+    return fused_order(shapes), sources, renamed
+
+
+def gathered(adapter, name: str, param: torch.Tensor, hf_name: str, target: torch.dtype) -> torch.Tensor:
+    """One HF tensor whole: cast (before the gather, so it moves fewer bytes), gathered when sharded, then
+    converted (renames, and Llama's q/k permutation)."""
+    param = param.to(target)
+    if isinstance(param, DTensor):
+        param = param.full_tensor()
+    return adapter.to_hf({name: param})[hf_name]
 
 
 def autocast(device: torch.device, dtype: str):

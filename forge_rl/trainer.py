@@ -36,6 +36,7 @@ from forge_rl.loss import grpo_loss, rollout_advantages
 from forge_rl.titan_model import (
     autocast,
     build_model,
+    hf_weight_rows,
     hf_weights,
     init_distributed,
     logprobs_of,
@@ -43,7 +44,16 @@ from forge_rl.titan_model import (
     sequence_logprobs,
 )
 from forge_rl.types import Episode
-from forge_rl.weight_sync import SharedBuffers, WeightsHandle, broadcast_send, join_group, make_layout
+from forge_rl.weight_sync import (
+    HEADER_BYTES,
+    SharedBuffers,
+    WeightsHandle,
+    broadcast_send,
+    copy_rows,
+    join_group,
+    make_layout,
+    map_buffer,
+)
 
 # Metrics that are token-weighted means inside grpo_loss; summed * num_tokens across pieces.
 _MEAN_METRICS = (
@@ -88,6 +98,11 @@ class Trainer(ForgeActor):
         self.rank, self.world, self.device = init_distributed()
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads() // self.world))
+        self.one_host = True  # then all ranks can write into one shared-memory buffer
+        if self.world > 1:
+            hosts = [None] * self.world
+            dist.all_gather_object(hosts, socket.gethostname())
+            self.one_host = len(set(hosts)) == 1
         self.model, self.adapter = build_model(self.model_path, self.device, self.dtype)
         self.model.train()
         o = self.optim_config
@@ -179,16 +194,20 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def push_weights(self, version: int) -> int:
-        """All ranks gather the HF-named weights one tensor at a time (collective when sharded); rank 0
-        copies each where the weight_sync transport takes it and puts the version's handle in TorchStore
-        (forge_rl/weight_sync.py). Returns once generators can fetch it (a broadcast is then under way
-        and completes as they take it; the next push waits for it): the number of tensors on rank 0, 0
-        elsewhere."""
-        shapes, tensors = hf_weights(self.model, self.adapter, self.dtype)
+        """All ranks (collective when sharded). Rank 0 sends the HF-named weights by the weight_sync
+        transport, each tensor gathered as its turn comes, and puts the version's handle in TorchStore
+        (forge_rl/weight_sync.py); into shared memory, the ranks of a sharded trainer on one host each
+        copy their own rows instead, with no gather. Returns once generators can fetch it (a broadcast is
+        then under way and completes as they take it; the next push waits for it): the number of tensors
+        on rank 0, 0 elsewhere."""
+        own_rows = self.weight_sync == "shm" and self.world > 1 and self.one_host
+        shapes, tensors = (hf_weight_rows if own_rows else hf_weights)(self.model, self.adapter, self.dtype)
         try:
-            if self.rank == 0:
+            if own_rows:
+                await self._write_own_rows(shapes, tensors, version)
+            elif self.rank == 0:
                 await self._send_weights(shapes, tensors, version)
-        finally:  # whatever failed on rank 0: the others wait in its gathers and at the barrier
+        finally:  # whatever failed on one rank: the others wait in its gathers and at the barrier
             await asyncio.to_thread(drain, tensors)
             if dist.is_initialized():
                 dist.barrier()
@@ -221,6 +240,45 @@ class Trainer(ForgeActor):
             self.sending = asyncio.ensure_future(asyncio.to_thread(broadcast_send, self.weights_group, tensors))
             handle = WeightsHandle("broadcast", version, socket.gethostname(), layout=layout, nbytes=nbytes)
         await store.put_handle(handle.as_dict(), version)
+
+    async def _write_own_rows(self, shapes: dict[str, torch.Tensor], rows: Iterator, version: int) -> None:
+        """All ranks of a sharded trainer on the generators' host: each copies its own rows of each tensor
+        into the shm buffer at once (`hf_weight_rows`: no gather), rank 0 also the tensors that must be
+        gathered. Rank 0 locks the buffer before anyone writes and writes its header once all are done."""
+        handle, payload, error = None, None, None
+        if self.rank == 0:
+            try:  # no room in /dev/shm, or readers still hold the buffer: nobody writes, the old version stays
+                handle = self.shared_buffers.claim(shapes, version)
+                payload = await asyncio.to_thread(self.shared_buffers.begin, handle)
+            except Exception as e:
+                error = e
+        path = [handle.path if payload is not None else None]
+        dist.broadcast_object_list(path, src=0)
+        if path[0] is None:
+            if error is not None:
+                raise error
+            return
+        put = asyncio.ensure_future(store.put_handle(handle.as_dict(), version)) if self.rank == 0 else None
+        if payload is None:
+            payload = map_buffer(path[0])[HEADER_BYTES:]
+        try:
+            await asyncio.to_thread(copy_rows, payload, make_layout(shapes)[0], rows)
+        except Exception as e:
+            error = e
+        await asyncio.to_thread(drain, rows)  # the gathers left, after a failure here
+        written = torch.tensor([error is None], dtype=torch.int32, device=self.device)
+        dist.all_reduce(written, op=dist.ReduceOp.MIN)  # every rank's rows are in
+        if self.rank == 0:
+            self.shared_buffers.end(handle, written=bool(written))
+            (put_result,) = await asyncio.gather(put, return_exceptions=True)
+            if not written and not isinstance(put_result, BaseException):
+                await store.delete_version(version)  # no record of a version whose bytes are not all there
+            if isinstance(put_result, BaseException):
+                raise put_result
+        if error is not None:
+            raise error
+        if not written:
+            raise RuntimeError(f"weight version {version}: another trainer rank failed to write its rows into the buffer")
 
     async def _broadcast_sent(self) -> None:
         """Wait until the generators have taken the last broadcast (it may still read the parameters)."""

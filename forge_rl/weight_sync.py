@@ -104,6 +104,14 @@ def tensor_views(payload: torch.Tensor, layout: list) -> Iterator[tuple[str, tor
         yield name, payload[offset : offset + dtype.itemsize * math.prod(shape)].view(dtype).view(shape)
 
 
+def copy_rows(payload: torch.Tensor, layout: list, rows: Iterable[tuple[int, torch.Tensor | None]]) -> None:
+    """Copy each (first row, tensor) of `rows`, in layout order, to those rows of its place in `payload`
+    (None: nothing for this writer to copy). Several writers fill one payload, each with its own rows."""
+    for (_, view), (first, t) in zip(tensor_views(payload, layout), rows, strict=True):
+        if t is not None:
+            view[first : first + t.shape[0]].copy_(t)
+
+
 # ------------------------------------------------------------------------------------- shared memory
 
 
@@ -145,16 +153,30 @@ class SharedBuffers:
     def fill(self, tensors: Iterable[torch.Tensor], handle: WeightsHandle) -> None:
         """Copy `tensors` (in the claimed state dict's order) into the buffer `handle` claimed; its header
         holds `handle` when this returns."""
-        slot = self.paths.index(handle.path)
-        buffer = self.buffers[slot]
-        header = buffer[:HEADER_BYTES].view(torch.int64)
-        self._wait_for_readers(slot)
+        payload, written = self.begin(handle), False
         try:
-            header[0] = 0  # invalidate first: a reader that meets this buffer now refuses it
-            for (_, view), t in zip(tensor_views(buffer[HEADER_BYTES:], handle.layout), tensors, strict=True):
+            for (_, view), t in zip(tensor_views(payload, handle.layout), tensors, strict=True):
                 view.copy_(t)  # one at a time: a sharded trainer gathers each as its turn comes
-            header[1], header[2] = handle.version, handle.nbytes
-            header[0] = handle.token  # last
+            written = True
+        finally:
+            self.end(handle, written)
+
+    def begin(self, handle: WeightsHandle) -> torch.Tensor:
+        """Lock the buffer `handle` claimed (once no reader holds it) and invalidate its header: a reader
+        that meets it now refuses it. Returns the payload to write; then call `end`."""
+        slot = self.paths.index(handle.path)
+        self._wait_for_readers(slot)
+        self.buffers[slot][:HEADER_BYTES].view(torch.int64)[0] = 0
+        return self.buffers[slot][HEADER_BYTES:]
+
+    def end(self, handle: WeightsHandle, written: bool) -> None:
+        """Unlock the buffer; if `written`, its header holds `handle` (the token last)."""
+        slot = self.paths.index(handle.path)
+        header = self.buffers[slot][:HEADER_BYTES].view(torch.int64)
+        try:
+            if written:
+                header[1], header[2] = handle.version, handle.nbytes
+                header[0] = handle.token
         finally:
             fcntl.flock(self.locks[slot], fcntl.LOCK_UN)
 

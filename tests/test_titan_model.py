@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from forge_rl.envs.client import free_port
 from forge_rl.tiny_model import build_tiny_model
-from forge_rl.titan_model import build_model, hf_weights, logprobs_of
+from forge_rl.titan_model import build_model, hf_weight_rows, hf_weights, logprobs_of
 from tests.test_trainer import hf_logprobs
 
 
@@ -69,6 +69,27 @@ def test_sharded_weights_are_gathered_one_tensor_at_a_time_in_the_sync_dtype(tmp
         for name, tensor in original.items():
             assert out[name].shape == shapes[name].shape
             torch.testing.assert_close(out[name], tensor.to(torch.bfloat16), atol=0, rtol=0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rows_of_a_sharded_model_need_no_gather_for_tensors_hf_only_renames(tmp_path, monkeypatch):
+    """hf_weight_rows (all trainer ranks writing into one shared buffer): Qwen3's tensors are only renamed
+    for HF, so each rank gives its own rows of each (one rank here: all of them) and nothing is gathered."""
+    from torch.distributed.tensor import DTensor
+
+    path = build_tiny_model(tmp_path / "m")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model, adapter = build_model(path, torch.device("cpu"), shard=True)
+        gathered, full_tensor = [], DTensor.full_tensor
+        monkeypatch.setattr(DTensor, "full_tensor", lambda self, **kw: gathered.append(1) or full_tensor(self, **kw))
+        shapes, rows = hf_weight_rows(model, adapter, "bfloat16")
+        original = load_file(str(path / "model.safetensors"))
+        for name, (first, tensor) in zip(shapes, rows, strict=True):
+            assert first == 0 and not isinstance(tensor, DTensor)
+            torch.testing.assert_close(tensor, original[name].to(torch.bfloat16), atol=0, rtol=0)
+        assert gathered == [] and set(shapes) == set(original)
     finally:
         dist.destroy_process_group()
 
