@@ -19,9 +19,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torchtitan.models.llama3 import Transformer as Llama3Model
 from torchtitan.models.llama3 import TransformerModelArgs as Llama3ModelArgs
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
