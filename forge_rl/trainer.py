@@ -98,11 +98,11 @@ class Trainer(ForgeActor):
         self.rank, self.world, self.device = init_distributed()
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads() // self.world))
-        self.one_host = True  # then all ranks can write into one shared-memory buffer
-        if self.world > 1:
+        self.own_rows = False  # sharded, into shared memory, all ranks on its host: each rank writes its rows
+        if self.world > 1 and self.weight_sync == "shm":
             hosts = [None] * self.world
             dist.all_gather_object(hosts, socket.gethostname())
-            self.one_host = len(set(hosts)) == 1
+            self.own_rows = len(set(hosts)) == 1
         self.model, self.adapter = build_model(self.model_path, self.device, self.dtype)
         self.model.train()
         o = self.optim_config
@@ -200,10 +200,9 @@ class Trainer(ForgeActor):
         copy their own rows instead, with no gather. Returns once generators can fetch it (a broadcast is
         then under way and completes as they take it; the next push waits for it): the number of tensors
         on rank 0, 0 elsewhere."""
-        own_rows = self.weight_sync == "shm" and self.world > 1 and self.one_host
-        shapes, tensors = (hf_weight_rows if own_rows else hf_weights)(self.model, self.adapter, self.dtype)
+        shapes, tensors = (hf_weight_rows if self.own_rows else hf_weights)(self.model, self.adapter, self.dtype)
         try:
-            if own_rows:
+            if self.own_rows:
                 await self._write_own_rows(shapes, tensors, version)
             elif self.rank == 0:
                 await self._send_weights(shapes, tensors, version)
@@ -221,12 +220,7 @@ class Trainer(ForgeActor):
             handle = self.shared_buffers.claim(shapes, version)  # a reader given it refuses the buffer
             written, put = await asyncio.gather(asyncio.to_thread(self.shared_buffers.fill, tensors, handle),
                                                 store.put_handle(handle.as_dict(), version), return_exceptions=True)
-            if isinstance(written, BaseException):
-                if not isinstance(put, BaseException):
-                    await store.delete_version(version)  # no record of a version whose bytes are not there
-                raise written
-            if isinstance(put, BaseException):
-                raise put
+            await settle_handle(version, written, put)
             return
         if self.weight_sync == "store":
             await store.put_state_dict(dict(zip(shapes, tensors, strict=True)), version)
@@ -268,17 +262,14 @@ class Trainer(ForgeActor):
         await asyncio.to_thread(drain, rows)  # the gathers left, after a failure here
         written = torch.tensor([error is None], dtype=torch.int32, device=self.device)
         dist.all_reduce(written, op=dist.ReduceOp.MIN)  # every rank's rows are in
+        if error is None and not written:
+            error = RuntimeError(f"weight version {version}: another trainer rank failed to write its rows into the buffer")
         if self.rank == 0:
-            self.shared_buffers.end(handle, written=bool(written))
-            (put_result,) = await asyncio.gather(put, return_exceptions=True)
-            if not written and not isinstance(put_result, BaseException):
-                await store.delete_version(version)  # no record of a version whose bytes are not all there
-            if isinstance(put_result, BaseException):
-                raise put_result
-        if error is not None:
+            self.shared_buffers.end(handle, written=error is None)
+            (put,) = await asyncio.gather(put, return_exceptions=True)
+            await settle_handle(version, error, put)
+        elif error is not None:
             raise error
-        if not written:
-            raise RuntimeError(f"weight version {version}: another trainer rank failed to write its rows into the buffer")
 
     async def _broadcast_sent(self) -> None:
         """Wait until the generators have taken the last broadcast (it may still read the parameters)."""
@@ -463,6 +454,17 @@ class Trainer(ForgeActor):
         t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return dict(zip(keys, t.tolist()))
+
+
+async def settle_handle(version: int, written, put) -> None:
+    """After the bytes and the handle went concurrently (each None or the exception it raised): no record
+    of a version whose bytes are not all there; raise what failed."""
+    if isinstance(written, BaseException):
+        if not isinstance(put, BaseException):
+            await store.delete_version(version)
+        raise written
+    if isinstance(put, BaseException):
+        raise put
 
 
 def drain(tensors: Iterator[torch.Tensor]) -> None:

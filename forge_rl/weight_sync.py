@@ -154,9 +154,8 @@ class SharedBuffers:
         """Copy `tensors` (in the claimed state dict's order) into the buffer `handle` claimed; its header
         holds `handle` when this returns."""
         payload, written = self.begin(handle), False
-        try:
-            for (_, view), t in zip(tensor_views(payload, handle.layout), tensors, strict=True):
-                view.copy_(t)  # one at a time: a sharded trainer gathers each as its turn comes
+        try:  # one at a time: a sharded trainer gathers each as its turn comes
+            copy_rows(payload, handle.layout, ((0, t) for t in tensors))
             written = True
         finally:
             self.end(handle, written)
