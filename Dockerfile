@@ -1,4 +1,4 @@
-# The image that k8s/ runs (README.md, section Kubernetes): forge_rl installed with `make install` as in the
+# The image that k8s/ runs (docs/kubernetes.md): forge_rl installed with `make install` as in the
 # README, GPU path. torch 2.13 wheels bring their own CUDA 13 libraries; the CUDA devel base adds
 # what they do not: gcc and nvcc for the kernels Triton and vLLM compile at run time, and the
 # NVIDIA_* variables that make the container runtime mount the host's driver.

@@ -1,7 +1,7 @@
 """Requests per second through the chat server against direct `generate` calls, in the same run.
 
 Baseline: the policy service's `generate` called with token ids, as the environment form's turns do.
-Measured: the same requests as chat completions through the ChatServer (forge_rl/chat_server.py) on
+Measured: the same requests as chat completions through the ChatServer (forge_rl/rollout/chat_server.py) on
 this event loop, as a chat-agent run sends them: each request a new rollout's first turn, rendered
 with the chat template, recorded, answered in OpenAI's JSON. Three clients: plain httpx on one
 connection pool (the server's own cost); `AsyncOpenAI` on a shared aiohttp pool (`http_client=`, what
@@ -26,10 +26,10 @@ import httpx  # noqa: E402
 from openai import AsyncOpenAI, DefaultAioHttpClient  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from forge_rl.chat_server import ChatServer  # noqa: E402
-from forge_rl.config import ChatConfig, GeneratorConfig  # noqa: E402
-from forge_rl.generator import Generator  # noqa: E402
-from forge_rl.tiny_model import build_tiny_model  # noqa: E402
+from forge_rl.rollout.chat_server import ChatServer  # noqa: E402
+from forge_rl.core.config import ChatConfig, GeneratorConfig  # noqa: E402
+from forge_rl.engines.vllm.generator import Generator  # noqa: E402
+from forge_rl.models.tiny import build_tiny_model  # noqa: E402
 
 QUESTION = "Dealer {}. You {} hard. HIT or STAND?"
 
@@ -58,7 +58,7 @@ async def main(args) -> None:
     url = await server.start()
     questions = [QUESTION.format(2 + i % 9, 4 + i % 17) for i in range(args.requests)]
     http = httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=args.concurrency))
-    pool = DefaultAioHttpClient()  # as forge_rl/agents.py gives agents in ctx.http_client
+    pool = DefaultAioHttpClient()  # as forge_rl/rollout/agents.py gives agents in ctx.http_client
 
     async def direct(question):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -22,11 +22,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from forge_rl.actor import stop  # noqa: E402
-from forge_rl.config import GeneratorConfig  # noqa: E402
-from forge_rl.generator import Generator, engine_args, sampling_params  # noqa: E402
+from forge_rl.runtime.actor import stop  # noqa: E402
+from forge_rl.core.config import GeneratorConfig  # noqa: E402
+from forge_rl.engines.vllm.generator import Generator, engine_args, sampling_params  # noqa: E402
 from forge_rl.models import resolve_model  # noqa: E402
-from forge_rl.tiny_model import build_tiny_model  # noqa: E402
+from forge_rl.models.tiny import build_tiny_model  # noqa: E402
 
 
 def prompts(count: int) -> list[list[int]]:

@@ -23,14 +23,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from forge_rl.actor import stop  # noqa: E402
-from forge_rl.config import GRPOConfig, OptimizerConfig  # noqa: E402
-from forge_rl.loss import group_advantages, grpo_loss  # noqa: E402
+from forge_rl.runtime.actor import stop  # noqa: E402
+from forge_rl.core.config import GRPOConfig, OptimizerConfig  # noqa: E402
+from forge_rl.core.objective import GRPOLoss  # noqa: E402
+from forge_rl.core.loss import group_advantages, grpo_loss  # noqa: E402
 from forge_rl.models import resolve_model  # noqa: E402
-from forge_rl.tiny_model import build_tiny_model  # noqa: E402
-from forge_rl.titan_model import build_model, pad_right, sequence_logprobs  # noqa: E402
-from forge_rl.trainer import Trainer  # noqa: E402
-from forge_rl.types import Episode  # noqa: E402
+from forge_rl.models.tiny import build_tiny_model  # noqa: E402
+from forge_rl.engines.titan.model import build_model, pad_right, sequence_logprobs  # noqa: E402
+from forge_rl.engines.titan.trainer import Trainer  # noqa: E402
+from forge_rl.core.types import Episode  # noqa: E402
 
 
 GROUP_SIZE = 4
@@ -86,7 +87,7 @@ async def measure(args, model_dir: str, batch: list[Episode]) -> tuple[list[floa
     """Baseline and actor steps alternate, so both see the same load on a shared machine."""
     baseline = Baseline(model_dir, batch, args.micro_batch_size, lr=1e-4)
     trainer = await Trainer.options(procs=args.procs).as_actor(
-        model_dir, GRPOConfig(), OptimizerConfig(lr=1e-4), micro_batch_size=args.micro_batch_size
+        model_dir, GRPOLoss(GRPOConfig()), OptimizerConfig(lr=1e-4), micro_batch_size=args.micro_batch_size
     )
     base_times, actor_times = [], []
     try:

@@ -5,7 +5,7 @@ once new requests sample with it): the trainer's HF state dict, the transport, v
 the engine then serves from the buffer while it repacks for oneDNN in the background: the time until that
 is done (`finish_loading`) is printed too, not in the ratio, and each round waits for it before the next
 baseline copy, so the copy never shares the cores with it. Transports
-(forge_rl/weight_sync.py): shm (two shared-memory buffers), broadcast (gloo, trainer on 127.0.0.2 and
+(forge_rl/weights/): shm (two shared-memory buffers), broadcast (gloo, trainer on 127.0.0.2 and
 the vLLM worker on 127.0.0.3, the two-address stand-in for two hosts), store (TorchStore state dict and a
 safetensors file: the fallback). Baseline: `dst.copy_(v)` of the same state dict on the controller into
 tensors allocated once (a memcpy; a fresh `clone()` each round also pays the kernel for new pages, and
@@ -39,13 +39,14 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from forge_rl import store, weight_sync  # noqa: E402
-from forge_rl.actor import stop  # noqa: E402
-from forge_rl.config import GeneratorConfig  # noqa: E402
-from forge_rl.generator import Generator  # noqa: E402
-from forge_rl.envs.client import free_port  # noqa: E402
-from forge_rl.tiny_model import build_tiny_model  # noqa: E402
-from forge_rl.trainer import Trainer  # noqa: E402
+from forge_rl.weights import control  # noqa: E402
+from forge_rl.weights import broadcast, shm  # noqa: E402
+from forge_rl.runtime.actor import stop  # noqa: E402
+from forge_rl.core.config import GeneratorConfig  # noqa: E402
+from forge_rl.engines.vllm.generator import Generator  # noqa: E402
+from forge_rl.core.net import free_port  # noqa: E402
+from forge_rl.models.tiny import build_tiny_model  # noqa: E402
+from forge_rl.engines.titan.trainer import Trainer  # noqa: E402
 
 
 WARMUPS = 2
@@ -66,7 +67,7 @@ async def rounds(path: str, model_dir: Path, generator, args, first_version: int
     copies, updates, loads = [], [], []
     try:
         if path == "broadcast":
-            await weight_sync.connect_broadcast(trainer, [generator], 1, "127.0.0.2", ["127.0.0.3"], free_port())
+            await broadcast.connect(trainer, [generator], 1, "127.0.0.2", ["127.0.0.3"], free_port())
         for i in range(WARMUPS + args.rounds):
             version = first_version + i
             start = time.perf_counter()
@@ -79,7 +80,7 @@ async def rounds(path: str, model_dir: Path, generator, args, first_version: int
             updated = time.perf_counter() - start
             await generator.finish_loading.call_one()
             loaded = time.perf_counter() - start
-            await store.delete_version(version)
+            await control.delete_version(version)
             if i >= WARMUPS:
                 copies.append(copied)
                 updates.append(updated)
@@ -90,7 +91,7 @@ async def rounds(path: str, model_dir: Path, generator, args, first_version: int
 
 
 async def main(args) -> None:
-    await store.start()
+    await control.start()
     version = 1
     try:
         for size_mb in args.sizes:
@@ -113,8 +114,8 @@ async def main(args) -> None:
                 finally:
                     await stop(generator)
     finally:
-        await store.stop()
-        weight_sync.remove_orphaned_buffers()
+        await control.stop()
+        shm.remove_orphaned_buffers()
 
 
 if __name__ == "__main__":

@@ -24,10 +24,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.modules.setdefault("gradio", None)  # as in the servers: a lean process forks as fast as they do
 
-from forge_rl.envs.blackjack import BlackJackAction, BlackJackEnvironment  # noqa: E402
-from forge_rl.envs.client import EnvSession, launch_local  # noqa: E402
+from apps.blackjack.env import BlackJackAction, BlackJackEnvironment  # noqa: E402
+from forge_rl.rollout.env_client import EnvSession  # noqa: E402
+from forge_rl.envs.local import launch_local  # noqa: E402
 from apps.coder.task import synthesize  # noqa: E402
-from forge_rl.envs.sandbox import Sandbox  # noqa: E402
+from apps.coder.sandbox import Sandbox  # noqa: E402
 
 TRIVIAL = "print(sum(range(10)))"
 
@@ -114,7 +115,7 @@ def main() -> None:
 
     base = blackjack_in_process(args.seconds)
     rows.append(("blackjack in-process", base, "calls/s", None, ""))
-    with launch_local("forge_rl.envs.blackjack:BlackJackEnvironment", max_concurrent_envs=16) as srv:
+    with launch_local("apps.blackjack.env:BlackJackEnvironment", max_concurrent_envs=16) as srv:
         for n in (1, 16):
             r = asyncio.run(blackjack_client(srv.url, n, args.seconds))
             rows.append((f"blackjack websocket, {n} session(s)", r, "calls/s", r / base, "in-process"))
@@ -124,12 +125,12 @@ def main() -> None:
     rows.append(("bare interpreter start", floor, "runs/s", None, ""))
     direct = rate(lambda: sandbox.run(TRIVIAL).exit_code == 0 and 1, args.seconds)
     rows.append((f"sandbox in-process [{sandbox.isolation}]", direct, "runs/s", direct / floor, "bare start"))
-    with launch_local("forge_rl.envs.code_interpreter:CodeInterpreterEnvironment", max_concurrent_envs=4) as srv:
+    with launch_local("apps.coder.interpreter:CodeInterpreterEnvironment", max_concurrent_envs=4) as srv:
         for n in (1, 4):
             r = asyncio.run(code_client(srv.url, n, args.seconds))
             rows.append((f"code interpreter websocket, {n} session(s)", r, "runs/s", r / direct, "sandbox in-process"))
             one_session = r if n == 1 else one_session
-    with launch_local("forge_rl.envs.code_task:CodeTaskEnvironment", max_concurrent_envs=8) as srv:
+    with launch_local("apps.coder.env:CodeTaskEnvironment", max_concurrent_envs=8) as srv:
         for program in (True, False):
             for n in (1, 8):
                 r = asyncio.run(code_task_client(srv.url, n, args.seconds, program))

@@ -40,8 +40,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from forge_rl.envs.client import launch_local  # noqa: E402
-from forge_rl.metrics import read_metrics  # noqa: E402
+from forge_rl.envs.local import launch_local  # noqa: E402
+from forge_rl.recipes.metrics import read_metrics  # noqa: E402
 
 CONFIG = ROOT / "configs" / "blackjack_tiny_cpu.yaml"
 FAULTS = ("env_server", "engine", "generator", "trainer")
@@ -114,7 +114,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     random.seed(args.seed)
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="forge_rl_faults_"))
-    with launch_local("forge_rl.envs.blackjack:BlackJackEnvironment", max_concurrent_envs=64, timeout_s=180) as server:
+    with launch_local("apps.blackjack.env:BlackJackEnvironment", max_concurrent_envs=64, timeout_s=180) as server:
         command = [
             sys.executable, "-m", "forge_rl.grpo", "--config", str(CONFIG), f"run_dir={run_dir}", f"env.url={server.url}",
             "trainer.restart_on_failure=true", "trainer.checkpoint_every=10", *args.overrides,

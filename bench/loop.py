@@ -2,12 +2,12 @@
 
 Baseline (written for this bench, in this process, nothing around it): the same tiny Qwen3 (HF
 transformers, same seed), the same batch (batch_size deals x group_size games), OpenSpiel BlackJack
-in-process (forge_rl/envs/blackjack.py's environment class, no server), every live game's next
+in-process (apps/blackjack/env.py's environment class, no server), every live game's next
 decision in one HF `generate` call per turn (lockstep, left-padded, constrained to the same answer
-ids, the same temperature), the same prompts and Conversation bookkeeping, then the same GRPO loss
-(forge_rl/loss.py, entropy bonus and all, over the same renormalised logits) and one AdamW step with
+ids, the same temperature), the same prompts and EpisodeRecord bookkeeping, then the same GRPO loss
+(forge_rl/core/loss.py, entropy bonus and all, over the same renormalised logits) and one AdamW step with
 the same learning rate and gradient clipping.
-Measured: forge_rl's own loop, `grpo.start` + `grpo.train` on the config (synchronous: generate a
+Measured: forge_rl's own loop, `start` + `train` (forge_rl/recipes/grpo/) on the config (synchronous: generate a
 batch, then train), for the same number of steps after the same warm-up.
 
 Prints `loop_vs_inprocess episodes_per_s ours=<x> baseline=<y> ratio=<x/y>` (whole steps) and
@@ -31,16 +31,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from apps.blackjack import game as blackjack  # noqa: E402
-from forge_rl import grpo, play  # noqa: E402
-from forge_rl.config import load_config  # noqa: E402
-from forge_rl.envs.blackjack import BlackJackAction, BlackJackEnvironment  # noqa: E402
-from forge_rl.envs.client import env_url  # noqa: E402
-from forge_rl.loss import group_advantages, grpo_loss  # noqa: E402
-from forge_rl.metrics import read_metrics  # noqa: E402
-from forge_rl.rollout import Conversation  # noqa: E402
-from forge_rl.titan_model import pad_right, sampling_logits, sampling_logprobs  # noqa: E402
-from forge_rl.types import Completion  # noqa: E402
+from apps.blackjack import task as blackjack  # noqa: E402
+from apps.blackjack.env import BlackJackAction, BlackJackEnvironment  # noqa: E402
+from forge_rl.core.app import load_app  # noqa: E402
+from forge_rl.core.config import load_config  # noqa: E402
+from forge_rl.core.episode import EpisodeRecord  # noqa: E402
+from forge_rl.core.loss import group_advantages, grpo_loss  # noqa: E402
+from forge_rl.core.types import Completion  # noqa: E402
+from forge_rl.engines.titan.model import pad_right, sampling_logits, sampling_logprobs  # noqa: E402
+from forge_rl.envs.local import env_url  # noqa: E402
+from forge_rl.models import resolve_model  # noqa: E402
+from forge_rl.recipes.grpo.loop import train  # noqa: E402
+from forge_rl.recipes.grpo.main import shutdown, start  # noqa: E402
+from forge_rl.recipes.metrics import read_metrics  # noqa: E402
+from forge_rl.rollout.play import answer_token_ids, prompt_ids  # noqa: E402
 
 
 class InProcessLoop:
@@ -53,7 +57,7 @@ class InProcessLoop:
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.allowed = play.answer_token_ids(blackjack, self.tokenizer)
+        self.allowed = answer_token_ids(load_app("apps.blackjack.task"), self.tokenizer)
         o = cfg.trainer.optimizer
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(0.9, 0.95), weight_decay=o.weight_decay, foreach=True)
         self.next_seed = 0
@@ -69,7 +73,7 @@ class InProcessLoop:
         self.next_seed += cfg.grpo.batch_size
         envs = [BlackJackEnvironment() for _ in seeds]
         obs = [e.reset(seed=s).model_dump() for e, s in zip(envs, seeds)]
-        convs = [Conversation(play.prompt_ids(blackjack, tok, o, True)) for o in obs]
+        convs = [EpisodeRecord(prompt_ids(blackjack, tok, o, True)) for o in obs]
         self.model.eval()
         for turn in range(cfg.rollout.max_turns):
             live = [i for i, o in enumerate(obs) if not o["done"]]
@@ -77,9 +81,9 @@ class InProcessLoop:
                 break
             if turn:
                 for i in live:
-                    convs[i].add_turn(play.prompt_ids(blackjack, tok, obs[i], False, close_previous=True))
-            length = max(len(convs[i].tokens) for i in live)
-            ids = torch.tensor([[tok.pad_token_id] * (length - len(convs[i].tokens)) + convs[i].tokens for i in live])
+                    convs[i].add_prompt(prompt_ids(blackjack, tok, obs[i], False, close_previous=True))
+            length = max(len(convs[i].token_ids) for i in live)
+            ids = torch.tensor([[tok.pad_token_id] * (length - len(convs[i].token_ids)) + convs[i].token_ids for i in live])
             out = self.model.generate(
                 input_ids=ids, attention_mask=(ids != tok.pad_token_id).long(), max_new_tokens=1, do_sample=True,
                 temperature=cfg.sampling.temperature, top_p=1.0, top_k=0, logits_processor=[self.restrict],
@@ -89,7 +93,7 @@ class InProcessLoop:
             logprobs = torch.log_softmax(out.scores[0].float(), -1).gather(-1, answers[:, None])[:, 0]
             for i, a, lp in zip(live, answers.tolist(), logprobs.tolist()):
                 text = tok.decode([a])
-                convs[i].add_completion(Completion(convs[i].tokens, [a], [lp], text, "length", 0))
+                convs[i].add_completion(Completion(convs[i].token_ids, [a], [lp], text, "length", 0))
                 obs[i] = envs[i].step(BlackJackAction(**blackjack.parse_action(text, obs[i]))).model_dump()
         return [c.to_episode(blackjack.reward(o, False, 0.0), f"s{s}") for c, o, s in zip(convs, obs, seeds)]
 
@@ -113,26 +117,26 @@ class InProcessLoop:
 
 
 class OurLoop:
-    """forge_rl's loop as `make train` runs it: `grpo.start`, then `grpo.train`, one step per call."""
+    """forge_rl's loop as `make train` runs it: `start`, then `train`, one step per call."""
 
     def __init__(self, cfg):
-        self.cfg, self.run, self.server = cfg, None, None
+        self.cfg, self.job, self.server = cfg, None, None
 
     async def start(self) -> None:
         from tqdm import tqdm
 
         url, self.server = env_url(self.cfg.env.url, self.cfg.env.server, self.cfg.env.max_concurrent)
-        self.run, self.progress = await grpo.start(self.cfg, blackjack, url), tqdm(disable=True)
+        self.job, self.progress = await start(self.cfg, load_app(self.cfg.app_module), url), tqdm(disable=True)
 
     async def step(self) -> int:
         """One train step of the loop (play a batch, train, push and load the weights): episodes played."""
-        played = self.run.episodes_played
-        self.cfg.trainer.max_steps = self.run.step + 1  # the Trainer's LR schedule was built for the whole bench
-        await grpo.train(self.run, self.progress, [])
-        return self.run.episodes_played - played
+        played = self.job.rollouts.episodes_played
+        self.cfg.trainer.max_steps = self.job.state.step + 1  # the Trainer's LR schedule was built for the whole bench
+        await train(self.job, self.progress, [])
+        return self.job.rollouts.episodes_played - played
 
     async def stop(self) -> None:
-        await grpo.shutdown(self.run)
+        await shutdown(self.job)
         if self.server is not None:
             self.server.stop()
 
@@ -160,7 +164,7 @@ async def measure(cfg, model_dir: str, warmup: int, steps: int, with_baseline: b
             if timed:
                 totals["ours_s"] += time.perf_counter() - start
                 totals["ours_episodes"] += episodes
-        ours.run.metrics.close()
+        ours.job.metrics.close()
         rows = [r for r in read_metrics(Path(cfg.run_dir)) if r["step"] > warmup]
     finally:
         await ours.stop()
@@ -190,7 +194,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         fixed = [f"run_dir={tmp}/run", "eval.interval=0", "trainer.checkpoint_every=0", "logging.tensorboard=false"]
         cfg = load_config(args.config, args.overrides + fixed + [f"trainer.max_steps={args.warmup + args.steps}"])
-        model_dir = grpo.prepare_model(cfg)
+        model_dir = resolve_model(cfg.model.path, cfg.model.dtype, Path(cfg.run_dir) / "tiny_model", cfg.model.tiny_seed)
         print(f"load before: {os.getloadavg()}; batch {cfg.grpo.batch_size} deals x {cfg.grpo.group_size} games")
         r = asyncio.run(measure(cfg, model_dir, args.warmup, args.steps, not args.skip_baseline))
         print(f"load after: {os.getloadavg()}")

@@ -24,11 +24,11 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from forge_rl import store  # noqa: E402
-from forge_rl.actor import stop  # noqa: E402
-from forge_rl.config import GeneratorConfig  # noqa: E402
-from forge_rl.generator import Generator  # noqa: E402
-from forge_rl.tiny_model import build_tiny_model  # noqa: E402
+from forge_rl.weights import control  # noqa: E402
+from forge_rl.runtime.actor import stop  # noqa: E402
+from forge_rl.core.config import GeneratorConfig  # noqa: E402
+from forge_rl.engines.vllm.generator import Generator  # noqa: E402
+from forge_rl.models.tiny import build_tiny_model  # noqa: E402
 
 
 async def one_round(args, generator, weights, first_version: int) -> tuple[list[float], float]:
@@ -49,11 +49,11 @@ async def one_round(args, generator, weights, first_version: int) -> tuple[list[
         await asyncio.sleep(args.interval)
         version = first_version + i
         clock = time.perf_counter()
-        await store.put_state_dict(weights[version % 2], version)
+        await control.put_state_dict(weights[version % 2], version)
         await generator.update_weights.call_one(version)
         latencies.append(time.perf_counter() - clock)
         if version > 1:
-            await store.delete_version(version - 1)
+            await control.delete_version(version - 1)
     end = time.perf_counter()
     stopping.set()
     await asyncio.gather(*streams)
@@ -64,7 +64,7 @@ async def main(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         paths = [build_tiny_model(Path(tmp) / f"v{s}", seed=s) for s in (0, 1)]
         weights = [load_file(str(p / "model.safetensors")) for p in paths]
-        await store.start()
+        await control.start()
         generators = {}
         try:
             for mode in ("on", "off"):
@@ -83,7 +83,7 @@ async def main(args) -> None:
         finally:
             for generator in generators.values():
                 await stop(generator)
-            await store.stop()
+            await control.stop()
 
     latency = {m: statistics.median(results[m][0]) for m in results}
     eps = {m: statistics.mean(results[m][1]) for m in results}

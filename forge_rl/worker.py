@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from forge_rl import cluster
+from forge_rl.runtime import cluster
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     address = f"tcp://{args.host}:{args.port}"
-    # Inherited by every process the controller spawns here: how it names its host (forge_rl/cluster.py).
+    # Inherited by every process the controller spawns here: how it names its host (forge_rl/runtime/cluster.py).
     os.environ[cluster.HOST_ENV], os.environ[cluster.WORKER_ENV] = args.host, address
     cluster.configure_transport(args.transport)
     from monarch.actor import run_worker_loop_forever

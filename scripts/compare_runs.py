@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from forge_rl.metrics import read_metrics  # noqa: E402
+from forge_rl.recipes.metrics import read_metrics  # noqa: E402
 
 
 def main() -> None:

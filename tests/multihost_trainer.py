@@ -9,11 +9,12 @@ import asyncio
 import json
 import sys
 
-from forge_rl import store
-from forge_rl.actor import stop
-from forge_rl.config import ClusterConfig, GRPOConfig, OptimizerConfig
-from forge_rl.provisioner import get_provisioner
-from forge_rl.trainer import Trainer
+from forge_rl.weights import control
+from forge_rl.runtime.actor import stop
+from forge_rl.core.config import ClusterConfig, GRPOConfig, OptimizerConfig
+from forge_rl.core.objective import GRPOLoss
+from forge_rl.runtime.provisioner import get_provisioner
+from forge_rl.engines.titan.trainer import Trainer
 from tests.test_trainer import make_batch
 
 GRPO, OPTIM = GRPOConfig(), OptimizerConfig(lr=1e-3)
@@ -21,10 +22,10 @@ GRPO, OPTIM = GRPOConfig(), OptimizerConfig(lr=1e-3)
 
 async def main(model_dir: str, workers: list[str]) -> dict:
     await get_provisioner().use_cluster(ClusterConfig(workers=workers), {"trainer": 2})
-    await store.start()
+    await control.start()
     two_hosts, one_host = await asyncio.gather(
-        Trainer.options(procs=1, hosts=2, role="trainer").as_actor(model_dir, GRPO, OPTIM, micro_batch_size=2),
-        Trainer.options(procs=1).as_actor(model_dir, GRPO, OPTIM, micro_batch_size=2),
+        Trainer.options(procs=1, hosts=2, role="trainer").as_actor(model_dir, GRPOLoss(GRPO), OPTIM, micro_batch_size=2),
+        Trainer.options(procs=1).as_actor(model_dir, GRPOLoss(GRPO), OPTIM, micro_batch_size=2),
     )
     try:
         batch = make_batch()
@@ -35,7 +36,7 @@ async def main(model_dir: str, workers: list[str]) -> dict:
         return result
     finally:
         await asyncio.gather(stop(two_hosts), stop(one_host))
-        await store.stop()
+        await control.stop()
         await get_provisioner().stop()
 
 

@@ -1,7 +1,7 @@
 """Run by tests/test_multihost.py in its own process (Monarch's transport is chosen once per process):
 weights across two hosts, placed and wired as `grpo.start` does. The trainer lands on the first worker
 (127.0.0.2), a generator replica on the second (127.0.0.3, replica 1 of a generator spanning both);
-`weight_sync.plan` must pick the broadcast, with the addresses the hosts' agents report. Prints one
+`plan.plan` must pick the broadcast, with the addresses the hosts' agents report. Prints one
 JSON line: the plan, greedy log-probs from the model files, after an all-zero update, and after the
 trainer's broadcast of the same weights, and the addresses the gloo connections use on each side.
 
@@ -17,12 +17,13 @@ import psutil
 import torch
 from safetensors.torch import load_file
 
-from forge_rl import store, weight_sync
-from forge_rl.actor import stop
-from forge_rl.config import ClusterConfig, GeneratorConfig
-from forge_rl.generator import Generator
-from forge_rl.provisioner import get_provisioner
-from forge_rl.trainer import Trainer
+from forge_rl.weights import control
+from forge_rl.weights import broadcast, plan
+from forge_rl.runtime.actor import stop
+from forge_rl.core.config import ClusterConfig, GeneratorConfig
+from forge_rl.engines.vllm.generator import Generator
+from forge_rl.runtime.provisioner import get_provisioner
+from forge_rl.engines.titan.trainer import Trainer
 
 PROMPT = list(range(40, 60))
 GREEDY = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -37,30 +38,30 @@ def addresses(pids: list[int]) -> list[str]:
 async def main(model_dir: str, workers: list[str]) -> dict:
     provisioner = get_provisioner()
     await provisioner.use_cluster(ClusterConfig(workers=workers), {"trainer": 1, "generator": 2})
-    await store.start()
+    await control.start()
     trainer_host, generator_host = provisioner.host_of("trainer"), provisioner.host_of("generator", 1, 2)
     nbytes = (Path(model_dir) / "model.safetensors").stat().st_size
-    plan = await weight_sync.plan("auto", trainer_host, [generator_host], nbytes)
+    sync = await plan.plan("auto", trainer_host, [generator_host], nbytes)
     config = GeneratorConfig(max_model_len=256, gpu_memory_utilization=0.01)
     launcher = Generator.options(procs=1, hosts=2, role="generator")
     (generator_procs, generator), trainer = await asyncio.gather(
         launcher.spawn_mesh(model_dir, "float32", config, seed=0, replica=1),
-        Trainer.options(procs=1, role="trainer").as_actor(model_dir, weight_sync=plan.kind),
+        Trainer.options(procs=1, role="trainer").as_actor(model_dir, weight_sync=sync.kind),
     )
     try:
         async def logprobs():
             return (await generator.generate.call_one(PROMPT, GREEDY))[0].logprobs
 
-        result = {"plan": [plan.kind, plan.rendezvous, plan.binds], "original": await logprobs()}
-        await weight_sync.connect_broadcast(
-            trainer, [generator], 1, plan.rendezvous, plan.binds, await plan.trainer_host.free_port()
+        result = {"plan": [sync.kind, sync.rendezvous, sync.binds], "original": await logprobs()}
+        await broadcast.connect(
+            trainer, [generator], 1, sync.rendezvous, sync.binds, await sync.trainer_host.free_port()
         )
         zeros = {k: torch.zeros_like(v) for k, v in load_file(Path(model_dir) / "model.safetensors").items()}
-        await store.put_state_dict(zeros, 1)
+        await control.put_state_dict(zeros, 1)
         await generator.update_weights.call_one(1)
         result["zeros"] = await logprobs()
         await trainer.push_weights.call(2)
-        result["handle_kind"] = (await store.get_handle(2))["kind"]
+        result["handle_kind"] = (await control.get_handle(2))["kind"]
         await generator.update_weights.call_one(2)
         await generator.finish_loading.call_one()  # bit-exact needs the engine's own GEMM: repacking done
         result["broadcast"] = await logprobs()
@@ -71,7 +72,7 @@ async def main(model_dir: str, workers: list[str]) -> dict:
         return result
     finally:
         await asyncio.gather(stop(trainer), provisioner.stop_procs(generator_procs), return_exceptions=True)
-        await store.stop()
+        await control.stop()
         await provisioner.stop()
 
 

@@ -3,7 +3,8 @@
 import asyncio
 import os
 
-from forge_rl.actor import ForgeActor, ReplicaDead
+from forge_rl.runtime.actor import ForgeActor
+from forge_rl.runtime.service import ReplicaDead
 from monarch.actor import concurrent_endpoint, endpoint
 
 
@@ -75,9 +76,9 @@ class StoreReader(ForgeActor):
 
     @endpoint
     async def fetch(self, version: int) -> dict:
-        from forge_rl import store
+        from forge_rl.weights import control
 
-        return await store.get_state_dict(version)
+        return await control.get_state_dict(version)
 
 
 def _first_to_create(path: str, pid: int) -> bool:

@@ -21,8 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from forge_rl.config import LoggingConfig
-from forge_rl.metrics import MetricsLogger, read_metrics
+from forge_rl.core.config import LoggingConfig
+from forge_rl.recipes.metrics import MetricsLogger, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "blackjack_tiny_cpu.yaml"

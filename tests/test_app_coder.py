@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from forge_rl.config import load_config
+from forge_rl.core.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,27 +61,29 @@ def test_humaneval_config_multi_turn_episodes_on_the_tiny_model(tmp_path):
 
 
 async def _multi_turn(cfg):
-    from forge_rl.envs.client import EnvSession, env_url
-    from forge_rl.grpo import load_app_module, shutdown, start, train_one_step
-    from forge_rl.play import play_group, prompt_ids
+    from forge_rl.rollout.env_client import EnvSession
+    from forge_rl.envs.local import env_url
+    from forge_rl.core.app import load_app
+    from forge_rl.recipes.grpo.main import shutdown, start
+    from forge_rl.rollout.play import prompt_ids
 
-    game = load_app_module(cfg.app_module, cfg.sampling.constrained)
+    game = load_app(cfg.app_module, cfg.sampling.constrained)
     url, server = env_url(cfg.env.url, cfg.env.server, cfg.env.max_concurrent)
-    run = None
+    job = None
     try:
-        run = await start(cfg, game, url)
-        sampled = []
-        generate = run.generate
+        job = await start(cfg, game, url)
+        rollouts, sampled = job.rollouts, []
+        generate = rollouts.generate
 
         async def recording(prompt, params):  # the completions exactly as the generator returned them
             completions = await generate(prompt, params)
             sampled.extend(completions)
             return completions
 
-        run.generate = recording
-        group = await play_group(run, seed=5)
+        rollouts.generate = recording
+        group = await rollouts.group(seed=5)
         assert group and len(group) == 3
-        tok, eos = run.tokenizer, run.tokenizer.eos_token_id
+        tok, eos = rollouts.tokenizer, rollouts.tokenizer.eos_token_id
         for episode in group:
             # Rebuild the episode from the environment (deterministic in seed and actions) and the samples.
             async with EnvSession(url, timeout_s=60) as session:
@@ -105,11 +107,10 @@ async def _multi_turn(cfg):
                     expected, mask = expected + turn, mask + [False] * len(turn)
             assert episode.tokens.tolist() == expected and episode.loss_mask.tolist() == mask
             assert turns == 3, "random answers have no ```python block: run twice, submitted on the last turn"
-        for _ in range(2):
-            metrics = await train_one_step(run, group)
-            assert math.isfinite(metrics["loss"])
-        assert run.step == 2
+        for version in (1, 2):
+            metrics = await job.learner.step(group, version)
+            assert math.isfinite(metrics["train/loss"])
     finally:
-        await shutdown(run)
+        await shutdown(job)
         if server is not None:
             server.stop()

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from forge_rl.batching import RequestBatcher
+from forge_rl.rollout.batching import RequestBatcher
 
 
 def recording_send(fail_prompt=None, fail_call=False):

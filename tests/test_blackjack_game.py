@@ -1,9 +1,9 @@
-"""apps/blackjack/game.py: the prompt shows what a decision needs, parsing is strict, rewards are exact."""
+"""apps/blackjack/task.py: the prompt shows what a decision needs, parsing is strict, rewards are exact."""
 
 import pytest
 
-from apps.blackjack.game import ACTIONS, parse_action, render_prompt, reward
-from forge_rl.envs.blackjack import BlackJackAction, BlackJackEnvironment
+from apps.blackjack.task import ACTIONS, parse_action, render_prompt, reward
+from apps.blackjack.env import BlackJackAction, BlackJackEnvironment
 
 IN_PLAY = {
     "player_cards": ["AS", "6D"], "player_total": 17, "soft": True, "dealer_card": "10H",
@@ -22,7 +22,7 @@ def test_prompt_shows_dealer_card_total_softness_and_the_answer_format():
 
 def test_prompt_is_whole_tokens_of_the_tiny_model():
     """Every word and number of the prompt is a token of the tiny model's vocabulary (none is [UNK])."""
-    from forge_rl.tiny_model import UNK, build_tokenizer
+    from forge_rl.models.tiny import UNK, build_tokenizer
 
     tokenizer = build_tokenizer()
     for dealer in ("2H", "9C", "10D", "QS", "AH"):
@@ -65,7 +65,7 @@ def test_reward():
 def test_reference_policies_reach_their_published_ev_on_many_deals():
     """Basic strategy, mimic-the-dealer and always-stand played on 3,000 seeded deals land near the EVs
     of docs/blackjack.md (-0.043, -0.080, -0.183; 95% interval about +-0.035)."""
-    from apps.blackjack.game import REFERENCE_EV, REFERENCE_POLICIES
+    from apps.blackjack.task import REFERENCE_EV, REFERENCE_POLICIES
 
     env = BlackJackEnvironment()
     expected = {"basic_strategy": -0.043, "mimic_dealer": -0.080, "always_stand": -0.183}

@@ -18,7 +18,7 @@ from anthropic import NotFoundError as AnthropicNotFound
 from openai import BadRequestError, NotFoundError
 from transformers import AutoTokenizer
 
-from forge_rl.tiny_model import build_tiny_model
+from forge_rl.models.tiny import build_tiny_model
 from tests.chat_helpers import (
     RUN_PYTHON,
     THINK_TEXT,
@@ -245,8 +245,9 @@ def test_a_template_that_drops_earlier_think_blocks_seals_the_segment(scripted):
 def test_the_code_agent_runs_its_tool_calls_in_the_code_interpreter(scripted):
     """apps/code_agent: the policy's run_python call runs in the sandbox, and what it printed is the next turn."""
     from apps.code_agent.agent import run_agent
-    from forge_rl.agents import AgentContext, EnvRecorder
-    from forge_rl.envs.client import EnvSession, launch_local
+    from forge_rl.rollout.agents import AgentContext, EnvRecorder
+    from forge_rl.rollout.env_client import EnvSession
+    from forge_rl.envs.local import launch_local
 
     server = scripted.server
 
@@ -267,7 +268,7 @@ def test_the_code_agent_runs_its_tool_calls_in_the_code_interpreter(scripted):
                 return segment
         raise AssertionError("the policy never called the tool")
 
-    with launch_local("forge_rl.envs.code_interpreter:CodeInterpreterEnvironment", timeout_s=300) as interpreter:
+    with launch_local("apps.coder.interpreter:CodeInterpreterEnvironment", timeout_s=300) as interpreter:
         segment = run(agents(interpreter.url))
     start = segment["sampled"].index(False, segment["sampled"].index(True))
     added = segment["token_ids"][start : segment["sampled"].index(True, start)]

@@ -3,11 +3,11 @@
 
 import pytest
 
-from apps.blackjack import game as blackjack
 from apps.coder import task
-from forge_rl.envs.code_task import synth_task
-from forge_rl.play import GameResult, answer_token_ids, prompt_ids
-from forge_rl.tiny_model import build_tiny_model
+from forge_rl.core.app import load_app
+from apps.coder.env import synth_task
+from forge_rl.rollout.play import GameResult, answer_token_ids, prompt_ids
+from forge_rl.models.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +33,10 @@ def test_synth_prompts_are_whole_tokens_of_the_tiny_model(tokenizer, family):
 
 
 def test_answer_vocabulary_is_one_token_per_word_and_blackjack_keeps_its_two(tokenizer):
-    ids = answer_token_ids(task, tokenizer)
+    ids = answer_token_ids(load_app("apps.coder.task"), tokenizer)
     assert len(set(ids)) == len(task.ANSWER_VOCABULARY) == 14
     assert tokenizer.decode(ids[:1] + ids[3:4] + ids[11:12]) == "x*7", "answers decode by concatenation"
-    assert [tokenizer.decode([i]) for i in answer_token_ids(blackjack, tokenizer)] == ["HIT", "STAND"]
+    assert [tokenizer.decode([i]) for i in answer_token_ids(load_app("apps.blackjack.task"), tokenizer)] == ["HIT", "STAND"]
 
 
 def test_parse_action_per_task_set_and_turn():
@@ -56,4 +56,4 @@ def test_synthesizer_and_eval_metrics():
     obs = observation(3)
     assert task.synthesizer(obs) == "x+7" and task.synthesize(synth_task(3, 2).examples, 2) is not None
     results = [GameResult([], 1.0, False), GameResult([], 0.5, False), GameResult([], -1.0, True)]
-    assert task.eval_metrics(results) == {"eval/pass_all": 1 / 3, "eval/pass_rate": 0.5, "eval/invalid_rate": 1 / 3, "eval/tasks": 3}
+    assert task.eval_metrics(results, {}) == {"eval/pass_all": 1 / 3, "eval/pass_rate": 0.5, "eval/invalid_rate": 1 / 3, "eval/tasks": 3}

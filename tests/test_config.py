@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from forge_rl.config import ConfigError, RunConfig, load_config, parse_cli
+from forge_rl.core.config import ConfigError, RunConfig, load_config, parse_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "blackjack_tiny_cpu.yaml"
@@ -36,7 +36,7 @@ def test_env_url_on_the_command_line_wins_over_the_files_env_server():
 def test_defaults_are_the_embedded_defaults(tmp_path):
     """A minimal YAML (only the environment, as "Adding an environment" shows) trains as `make train`
     does: every default is the value of configs/blackjack_tiny_cpu.yaml, run_dir aside."""
-    minimal = load_config(write(tmp_path, "env:\n  server: forge_rl.envs.blackjack:BlackJackEnvironment\n"))
+    minimal = load_config(write(tmp_path, "env:\n  server: apps.blackjack.env:BlackJackEnvironment\n"))
     embedded = load_config(TINY)
     minimal.run_dir = embedded.run_dir  # where a run writes is the user's, not a training choice
     assert dataclasses.asdict(minimal) == dataclasses.asdict(embedded)

@@ -19,15 +19,16 @@ import random
 
 import torch
 
-from forge_rl import store
-from forge_rl.actor import stop
-from forge_rl.config import GeneratorConfig, GRPOConfig, OptimizerConfig
-from forge_rl.generator import Generator
-from forge_rl.reference import ReferenceModel
-from forge_rl.replay_buffer import ReplayBufferActor
-from forge_rl.rollout import Conversation
-from forge_rl.tiny_model import build_tiny_model
-from forge_rl.trainer import Trainer
+from forge_rl.weights import control
+from forge_rl.runtime.actor import stop
+from forge_rl.core.config import GeneratorConfig, GRPOConfig, OptimizerConfig
+from forge_rl.core.objective import GRPOLoss
+from forge_rl.engines.vllm.generator import Generator
+from forge_rl.engines.titan.reference import ReferenceModel
+from forge_rl.buffer.replay_buffer import ReplayBufferActor
+from forge_rl.core.episode import EpisodeRecord
+from forge_rl.models.tiny import build_tiny_model
+from forge_rl.engines.titan.trainer import Trainer
 
 NUMBERS = [4, 5, 6, 7, 8, 9, 10, 11, 17, 18, 19, 20, 21]
 GROUP_SIZE, GROUPS_PER_STEP, STEPS = 8, len(NUMBERS), 6  # every number once per step
@@ -69,14 +70,14 @@ def test_grpo_steps_raise_reward_with_versioned_weights_and_invariants(tmp_path)
         grpo = GRPOConfig(group_size=GROUP_SIZE, batch_size=GROUPS_PER_STEP, max_policy_age=0, kl_coef=0.01,
                           entropy_coef=0.0, normalize_std=True)
 
-        await store.start()
+        await control.start()
         policy, trainer, reference, buffer, unrestricted = await asyncio.gather(
             Generator.options(num_replicas=1).as_service(model, "float32", GeneratorConfig(max_model_len=256)),
-            Trainer.options(procs=1).as_actor(model, grpo, OptimizerConfig(lr=3e-4, schedule="constant"), STEPS, "float32",
+            Trainer.options(procs=1).as_actor(model, GRPOLoss(grpo), OptimizerConfig(lr=3e-4, schedule="constant"), STEPS, "float32",
                                               allowed_token_ids=allowed),
             ReferenceModel.options(num_replicas=1).as_service(model, "float32", allowed_token_ids=allowed),
             ReplayBufferActor.options().as_actor(GROUPS_PER_STEP, 0),
-            Trainer.options(procs=1).as_actor(model, grpo, OptimizerConfig(), STEPS, "float32"),
+            Trainer.options(procs=1).as_actor(model, GRPOLoss(grpo), OptimizerConfig(), STEPS, "float32"),
         )
         rng = random.Random(0)
         sampling = {"temperature": 1.0, "max_tokens": 1, "allowed_token_ids": allowed}
@@ -86,7 +87,7 @@ def test_grpo_steps_raise_reward_with_versioned_weights_and_invariants(tmp_path)
             free = await policy.route("generate", prompt_for(tokenizer, 9), {"temperature": 1.0, "max_tokens": 6, "n": 4})
             free_episodes = []
             for c in free:
-                conversation = Conversation(c.prompt_ids)
+                conversation = EpisodeRecord(c.prompt_ids)
                 conversation.add_completion(c)
                 free_episodes.append(conversation.to_episode(0.0, "free"))
             free_lp = (await unrestricted.logprobs.call([e.tokens for e in free_episodes])).item(procs=0)
@@ -106,7 +107,7 @@ def test_grpo_steps_raise_reward_with_versioned_weights_and_invariants(tmp_path)
                     for c in completions:
                         assert c.policy_version == version, "a completion must carry the version that sampled it"
                         assert c.prompt_ids == prompt and c.token_ids[0] in allowed
-                        conversation = Conversation(prompt)
+                        conversation = EpisodeRecord(prompt)
                         conversation.add_completion(c)
                         episode = conversation.to_episode(float(c.token_ids[0] == stand), f"v{version}g{g}")
                         # token identity: what the trainer will consume is the prompt plus the sampled ids
@@ -127,8 +128,8 @@ def test_grpo_steps_raise_reward_with_versioned_weights_and_invariants(tmp_path)
                 assert abs(metrics["ratio_max"] - 1) < 1e-3, "on-policy data must have importance ratio 1"
                 await trainer.push_weights.call(version + 1)
                 await policy.fanout("update_weights", version + 1)
-                await store.delete_version(version)
-                assert await store.list_versions() == [version + 1]
+                await control.delete_version(version)
+                assert await control.list_versions() == [version + 1]
                 assert await policy.route("current_version") == version + 1
 
             reward_after = await expected_reward(trainer, tokenizer, hit, stand)
@@ -145,6 +146,6 @@ def test_grpo_steps_raise_reward_with_versioned_weights_and_invariants(tmp_path)
             await reference.stop()
             await stop(trainer)
             await stop(buffer)
-            await store.stop()
+            await control.stop()
 
     asyncio.run(main())

@@ -8,7 +8,8 @@ import urllib.request
 import pyspiel
 import pytest
 
-from forge_rl.envs.client import EnvCapacityError, EnvError, EnvSession, launch_local
+from forge_rl.rollout.env_client import EnvCapacityError, EnvError, EnvSession
+from forge_rl.envs.local import launch_local
 
 MAX_SESSIONS = 4
 STAND_HANDS = 6000  # EV standard error ~0.012: always stand -0.183 vs mimic the dealer -0.080 is 8 sigma apart
@@ -16,7 +17,7 @@ STAND_HANDS = 6000  # EV standard error ~0.012: always stand -0.183 vs mimic the
 
 @pytest.fixture(scope="module")
 def server():
-    with launch_local("forge_rl.envs.blackjack:BlackJackEnvironment", max_concurrent_envs=MAX_SESSIONS) as srv:
+    with launch_local("apps.blackjack.env:BlackJackEnvironment", max_concurrent_envs=MAX_SESSIONS) as srv:
         yield srv
 
 

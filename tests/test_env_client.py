@@ -9,10 +9,11 @@ import pytest
 import websockets.asyncio.server
 
 from forge_rl.envs import action_and_observation_types, load_env_class
-from forge_rl.envs.blackjack import BlackJackAction, BlackJackEnvironment, BlackJackObservation
-from forge_rl.envs.client import EnvError, EnvSession, EpisodeAborted, env_url, launch_local
+from apps.blackjack.env import BlackJackAction, BlackJackEnvironment, BlackJackObservation
+from forge_rl.rollout.env_client import EnvError, EnvSession, EpisodeAborted
+from forge_rl.envs.local import env_url, launch_local
 
-BLACKJACK = "forge_rl.envs.blackjack:BlackJackEnvironment"
+BLACKJACK = "apps.blackjack.env:BlackJackEnvironment"
 
 
 @pytest.fixture(scope="module")
@@ -161,16 +162,16 @@ def test_loading_environment_classes():
     assert load_env_class(BLACKJACK) is BlackJackEnvironment
     assert action_and_observation_types(BlackJackEnvironment) == (BlackJackAction, BlackJackObservation)
     with pytest.raises(ValueError, match="must be 'module:Class'"):
-        load_env_class("forge_rl.envs.blackjack")
+        load_env_class("apps.blackjack.env")
     with pytest.raises(ValueError, match="cannot load environment"):
-        load_env_class("forge_rl.envs.blackjack:NoSuchEnvironment")
+        load_env_class("apps.blackjack.env:NoSuchEnvironment")
     with pytest.raises(TypeError, match="must subclass Environment"):
         action_and_observation_types(dict)
 
 
 def test_launch_local_reports_a_server_that_dies():
     with pytest.raises(RuntimeError, match="cannot load environment"):
-        launch_local("forge_rl.envs.blackjack:NoSuchEnvironment", timeout_s=30)
+        launch_local("apps.blackjack.env:NoSuchEnvironment", timeout_s=30)
 
 
 def test_env_url_launches_a_config_server():
@@ -186,7 +187,7 @@ def test_env_url_launches_a_config_server():
 
 
 def test_module_entry_point_reads_max_concurrent_envs():
-    """`python -m forge_rl.envs.blackjack` is what Kubernetes runs; it honours MAX_CONCURRENT_ENVS."""
-    with launch_local("forge_rl.envs.blackjack", max_concurrent_envs=3) as srv:
+    """`python -m apps.blackjack.env` is what Kubernetes runs; it honours MAX_CONCURRENT_ENVS."""
+    with launch_local("apps.blackjack.env", max_concurrent_envs=3) as srv:
         health = json.load(urllib.request.urlopen(f"{srv.url}/health", timeout=5))
     assert health["environment"] == "BlackJackEnvironment" and health["max_concurrent_envs"] == 3

@@ -12,8 +12,9 @@ import urllib.request
 
 import pytest
 
-from forge_rl.envs.client import EnvSession, launch_local
-from forge_rl.envs.sandbox import _HARNESS, detect_isolation
+from forge_rl.rollout.env_client import EnvSession
+from forge_rl.envs.local import launch_local
+from apps.coder.sandbox import _HARNESS, detect_isolation
 
 SECRET = "forge-test-secret-6c1f"
 TIMEOUT_S = 2
@@ -23,7 +24,7 @@ MODES = sorted({detect_isolation(), "rlimits"})
 @pytest.fixture(scope="module", params=MODES)
 def server(request):
     env = {"SANDBOX_ISOLATION": request.param, "SANDBOX_TIMEOUT_S": str(TIMEOUT_S), "FORGE_TEST_SECRET": SECRET}
-    with launch_local("forge_rl.envs.code_interpreter:CodeInterpreterEnvironment", env=env, max_concurrent_envs=4) as srv:
+    with launch_local("apps.coder.interpreter:CodeInterpreterEnvironment", env=env, max_concurrent_envs=4) as srv:
         srv.mode = request.param
         yield srv
 

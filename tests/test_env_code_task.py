@@ -10,10 +10,11 @@ import urllib.request
 
 import pytest
 
-from forge_rl.envs.client import EnvError, EnvSession, launch_local
+from forge_rl.rollout.env_client import EnvError, EnvSession
+from forge_rl.envs.local import launch_local
 from apps.coder.task import synthesize
-from forge_rl.envs.code_task import MAX_CODE_CHARS, compiles, graded, humaneval_tasks, synth_task
-from forge_rl.envs.sandbox import detect_isolation
+from apps.coder.env import MAX_CODE_CHARS, compiles, graded, humaneval_tasks, synth_task
+from apps.coder.sandbox import detect_isolation
 
 TIMEOUT_S = 2
 MODES = sorted({detect_isolation(), "rlimits"})
@@ -22,7 +23,7 @@ MODES = sorted({detect_isolation(), "rlimits"})
 @pytest.fixture(scope="module", params=MODES)
 def server(request):
     env = {"SANDBOX_ISOLATION": request.param, "SANDBOX_TIMEOUT_S": str(TIMEOUT_S)}
-    with launch_local("forge_rl.envs.code_task", env=env, max_concurrent_envs=4, timeout_s=180) as srv:
+    with launch_local("apps.coder.env", env=env, max_concurrent_envs=4, timeout_s=180) as srv:
         srv.mode = request.param
         yield srv
 
@@ -175,8 +176,8 @@ def test_a_program_that_does_not_compile_scores_0_without_a_sandboxed_run(tmp_pa
 def test_arithmetic_answers_are_computed_as_the_sandbox_grades_them():
     """A synth answer of integers, x and + - * is computed without a run, to the grade the sandbox gives;
     anything else (a newline, a call, **, a conditional) is left to the sandbox."""
-    from forge_rl.envs.code_task import computed
-    from forge_rl.envs.sandbox import Limits, Sandbox
+    from apps.coder.env import computed
+    from apps.coder.sandbox import Limits, Sandbox
 
     sandbox = Sandbox(Limits(timeout_s=10))
     task = synth_task(3)  # x+7
@@ -191,7 +192,7 @@ def test_arithmetic_answers_are_computed_as_the_sandbox_grades_them():
 def test_without_partial_credit_only_passing_every_test_earns_the_reward():
     """reset(partial_credit=False): reward 1 for every hidden test passed, else 0 (tests_passed still says
     how many); the default stays the fraction passed."""
-    from forge_rl.envs.code_task import CodeTaskAction, CodeTaskEnvironment
+    from apps.coder.env import CodeTaskAction, CodeTaskEnvironment
 
     env = CodeTaskEnvironment()
     negative = sum(t.startswith("assert f(-") for t in synth_task(3).tests)

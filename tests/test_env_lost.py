@@ -10,26 +10,26 @@ from pathlib import Path
 
 import pytest
 
-from forge_rl import evaluation, grpo, play
-from forge_rl.config import load_config
-from forge_rl.envs.client import EnvSession, launch_local
+from forge_rl.core.app import load_app
+from forge_rl.rollout.evaluation import Evaluation
+from forge_rl.rollout.rollouts import EnvironmentLost, Rollouts
+from forge_rl.core.config import load_config
+from forge_rl.rollout.env_client import EnvSession
+from forge_rl.envs.local import launch_local
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def run_on(url: str) -> grpo.Run:
-    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "blackjack_tiny_cpu.yaml")
-    cfg.eval.num_games = 8
-    game = grpo.load_app_module(cfg.app_module, cfg.sampling.constrained)
-    return grpo.Run(
-        cfg=cfg, game=game, tokenizer=None, allowed_token_ids=None, policy=None, trainer=None,
-        buffer=None, reference=None, metrics=None, sessions=play.SessionPool(url, 100, timeout_s=5.0),
-    )
+def rollouts_on(url: str) -> Rollouts:
+    """No policy and no tokenizer: no game gets as far as asking the policy."""
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "blackjack_tiny_cpu.yaml",
+                      ["env.max_concurrent=100", "env.timeout_s=5", "eval.num_games=8"])
+    return Rollouts(cfg, load_app(cfg.app_module, cfg.sampling.constrained), None, None, url, None)
 
 
 @pytest.fixture(scope="module")
 def dead_url():
-    with launch_local("forge_rl.envs.blackjack:BlackJackEnvironment", max_concurrent_envs=4) as server:
+    with launch_local("apps.blackjack.env:BlackJackEnvironment", max_concurrent_envs=4) as server:
         async def one_reset():
             async with EnvSession(server.url) as session:
                 return (await session.reset(seed=1)).observation
@@ -39,18 +39,18 @@ def dead_url():
 
 @pytest.mark.slow  # 30 s here, a minute in CI (the suite keeps under 20): make test-slow runs it
 def test_an_evaluation_whose_games_all_aborted_reports_no_evaluation(dead_url):
-    run = run_on(dead_url)
-    values = asyncio.run(evaluation.evaluate(run))
+    rollouts = rollouts_on(dead_url)
+    values = asyncio.run(Evaluation(rollouts)())
     assert values == {"eval/games": 0}  # not eval/ev = 0.0 over "1 game"
-    assert "could not connect" in run.last_abort
+    assert "could not connect" in rollouts.last_abort
 
 
 def test_training_stops_when_every_game_of_many_groups_is_aborted(dead_url):
-    run = run_on(dead_url)
+    rollouts = rollouts_on(dead_url)
 
     async def twenty_groups():  # at once, as concurrent rollout workers play them
-        await asyncio.gather(*(play.play_group(run, seed) for seed in range(20)))
+        await asyncio.gather(*(rollouts.group(seed) for seed in range(20)))
 
-    with pytest.raises(play.EnvironmentLost, match="every game of the last 20 groups was aborted"):
+    with pytest.raises(EnvironmentLost, match="every game of the last 20 groups was aborted"):
         asyncio.run(twenty_groups())
-    assert run.aborted_games == 20 * run.cfg.grpo.group_size
+    assert rollouts.aborted_games == 20 * rollouts.cfg.grpo.group_size

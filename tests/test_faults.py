@@ -1,6 +1,6 @@
 """Faults a real cluster has, caused for real: a vLLM engine process killed inside a live Generator
-actor, a reference model's process killed. The run's services must survive them (forge_rl/service.py,
-forge_rl/faults.py).
+actor, a reference model's process killed. The run's services must survive them (forge_rl/runtime/service.py,
+forge_rl/recipes/grpo/faults.py).
 """
 
 import asyncio
@@ -19,26 +19,28 @@ import torch
 from monarch.actor import ActorError
 from safetensors.torch import load_file
 
-from forge_rl import faults, store
-from forge_rl.actor import ReplicaDead
-from forge_rl.config import ConfigError, GeneratorConfig
-from forge_rl.envs.client import launch_local
-from forge_rl.generator import Generator
-from forge_rl.play import SessionPool
-from forge_rl.reference import ReferenceModel
-from forge_rl.tiny_model import build_tiny_model
-from forge_rl.weight_sync import WeightsHandle
+from forge_rl.engines.vllm.generator import catch_up
+from forge_rl.rollout.sessions import fit_sessions_to_server, server_capacity
+from forge_rl.weights import control
+from forge_rl.runtime.service import ReplicaDead
+from forge_rl.core.config import ConfigError, GeneratorConfig
+from forge_rl.envs.local import launch_local
+from forge_rl.engines.vllm.generator import Generator
+from forge_rl.rollout.sessions import SessionPool
+from forge_rl.engines.titan.reference import ReferenceModel
+from forge_rl.models.tiny import build_tiny_model
+from forge_rl.weights.layout import WeightsHandle
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parent.parent
-BLACKJACK = "forge_rl.envs.blackjack:BlackJackEnvironment"
+BLACKJACK = "apps.blackjack.env:BlackJackEnvironment"
 GREEDY = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 
 
 async def push(state_dict: dict, version: int) -> None:
     """What Trainer.push_weights does with weight_sync=store: the bytes, then the handle."""
-    await store.put_state_dict(state_dict, version)
-    await store.put_handle(WeightsHandle("store", version).as_dict(), version)
+    await control.put_state_dict(state_dict, version)
+    await control.put_handle(WeightsHandle("store", version).as_dict(), version)
 
 
 async def pid_of(replica) -> int:
@@ -62,10 +64,10 @@ def test_a_generator_whose_vllm_engine_died_is_restarted_caught_up_and_its_calls
     uniform = -math.log(original["lm_head.weight"].shape[0])  # zero logits: every token equally likely
 
     async def main():
-        await store.start()
+        await control.start()
         config = GeneratorConfig(max_model_len=256, gpu_memory_utilization=0.01)
         policy = await Generator.options(num_replicas=1, health_interval_s=3600).as_service(str(path), "float32", config, 0)
-        policy.after_restart = faults.catch_up
+        policy.after_restart = catch_up
         try:
             await push(zeroed, 1)
             await policy.fanout("update_weights", 1)
@@ -104,7 +106,7 @@ def test_a_generator_whose_vllm_engine_died_is_restarted_caught_up_and_its_calls
             assert last.policy_version == 3 and last.logprobs == pytest.approx([uniform] * 4, abs=1e-5)
 
             # The Generator's whole process killed: its engine and the engine's workers end with it
-            # (forge_rl/vllm_plugin.py) and unlink their shared-memory queues; before, they lived on as orphans.
+            # (forge_rl/engines/vllm/plugin.py) and unlink their shared-memory queues; before, they lived on as orphans.
             engine = engine_core_of(new_pid)
             family = [engine, *engine.children(recursive=True)]
             queues = {m.path for p in family for m in p.memory_maps() if m.path.startswith("/dev/shm/")}
@@ -114,7 +116,7 @@ def test_a_generator_whose_vllm_engine_died_is_restarted_caught_up_and_its_calls
             assert queues and not [q for q in queues if os.path.exists(q)], "vLLM's queues left in /dev/shm"
         finally:
             await policy.stop()
-            await store.stop()
+            await control.stop()
 
     asyncio.run(main())
 
@@ -144,10 +146,10 @@ def test_the_session_pool_fits_a_running_server_or_the_run_stops_naming_both_num
     """A server that accepts 6 sessions: a pool asked for 32 holds 6 and plays 24 games at once without
     a refusal; asked for groups of 8 games, it cannot, and says why with both numbers."""
     with launch_local(BLACKJACK, max_concurrent_envs=6) as server:
-        assert faults.fit_sessions_to_server(server.url, 32, 4, 10) == 6
-        assert faults.fit_sessions_to_server(server.url, 5, 4, 10) == 5
+        assert fit_sessions_to_server(server.url, 32, 4, 10) == 6
+        assert fit_sessions_to_server(server.url, 5, 4, 10) == 5
         with pytest.raises(ConfigError, match=r"accepts 6 sessions .*group_size=8 .*env\.max_concurrent=32: start it with MAX_CONCURRENT_ENVS=32"):
-            faults.fit_sessions_to_server(server.url, 32, 8, 10)
+            fit_sessions_to_server(server.url, 32, 8, 10)
 
         async def play(pool, seed):
             async with pool.session() as session:
@@ -157,7 +159,7 @@ def test_the_session_pool_fits_a_running_server_or_the_run_stops_naming_both_num
                 return observation["reward"]
 
         async def many():
-            pool = SessionPool(server.url, faults.fit_sessions_to_server(server.url, 32, 4, 10), 30)
+            pool = SessionPool(server.url, fit_sessions_to_server(server.url, 32, 4, 10), 30)
             try:
                 return await asyncio.gather(*(play(pool, seed) for seed in range(24)))
             finally:
@@ -165,7 +167,7 @@ def test_the_session_pool_fits_a_running_server_or_the_run_stops_naming_both_num
 
         assert len(asyncio.run(many())) == 24
     with pytest.raises(ConfigError, match="does not answer"):
-        faults.server_capacity(server.url, 2)
+        server_capacity(server.url, 2)
 
 
 def test_an_app_pointed_at_a_small_server_stops_before_launching_anything(tmp_path):
@@ -197,7 +199,7 @@ def test_a_dead_trainer_stops_the_run_naming_it_and_the_checkpoint_and_restart_o
     the last checkpoint, and nothing is left behind. Resumed with trainer.restart_on_failure=true, a second
     kill restarts it from its last checkpoint and the run ends its steps, each step logged once."""
     from tests.test_app import app, descendants, leftovers, shared_memory, wait_for_a_train_step
-    from forge_rl.metrics import read_metrics
+    from forge_rl.recipes.metrics import read_metrics
 
     run_dir = tmp_path / "run"
     small = ["trainer.max_steps=4", "synchronous=true", "eval.interval=0", "trainer.checkpoint_every=1", "rollout.num_workers=2"]

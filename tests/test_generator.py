@@ -16,11 +16,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from forge_rl import store
-from forge_rl.actor import stop
-from forge_rl.config import GeneratorConfig
-from forge_rl.generator import Generator, WeightGate, write_weights_file
-from forge_rl.tiny_model import build_tiny_model
+from forge_rl.weights import control
+from forge_rl.runtime.actor import stop
+from forge_rl.core.config import GeneratorConfig
+from forge_rl.engines.vllm.generator import Generator, WeightGate
+from forge_rl.weights.store import write_weights_file
+from forge_rl.models.tiny import build_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,7 +33,7 @@ def g(tmp_path_factory):
     loop = asyncio.new_event_loop()
 
     async def start():
-        await store.start()
+        await control.start()
         config = GeneratorConfig(max_model_len=256, gpu_memory_utilization=0.01)
         return await Generator.options(procs=1).as_actor(str(path), "float32", config, seed=0)
 
@@ -55,7 +56,7 @@ def g(tmp_path_factory):
         )
     finally:
         loop.run_until_complete(stop(gen))
-        loop.run_until_complete(store.stop())
+        loop.run_until_complete(control.stop())
         loop.close()
 
 
@@ -124,7 +125,7 @@ def test_concurrent_requests_are_all_served(g):
 
 
 def test_generate_batch_answers_each_request_as_generate_would_and_isolates_a_bad_one(g):
-    """Generator.generate_batch (what forge_rl/batching.py sends): per request its own completions,
+    """Generator.generate_batch (what forge_rl/rollout/batching.py sends): per request its own completions,
     prompt ids, log-probs and version, the same as a request of its own; a bad request fails alone."""
     greedy = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
     prompts = [g.prompt, g.prompt[:-1], g.prompt]
@@ -155,7 +156,7 @@ def test_seeded_requests_beyond_one_engine_steps_token_budget_are_served(g):
 
 def test_an_idle_engine_does_not_spin_on_the_cpu(g):
     """vLLM's engine core and worker spin on sched_yield for a second after each message; on a few CPU cores
-    that took a core from the trainer after every rollout. forge_rl.vllm_plugin cuts the spin to 5 ms."""
+    that took a core from the trainer after every rollout. forge_rl.engines.vllm.plugin cuts the spin to 5 ms."""
     import time
 
     engine = [p for p in psutil.Process().children(recursive=True) if p.name() in ("VLLM::EngineCore", "VLLM::Worker")]
@@ -168,11 +169,11 @@ def test_an_idle_engine_does_not_spin_on_the_cpu(g):
 
 
 def test_a_groups_games_at_one_prompt_share_one_request_each_sample_used_once(g):
-    """forge_rl.play.SharedRequests on the real generator: the G games of a group share one request
+    """rollout/requests.py SharedRequests on the real generator: the G games of a group share one request
     of n=G samples at the first turn, each game gets a different one; at the second turn the games that
     drew the same answer (so reached the same prompt) share one request of n = their number; a game whose
     prompt is not the one its siblings reached asks alone."""
-    from forge_rl.play import SharedRequests
+    from forge_rl.rollout.requests import SharedRequests
 
     requests = []  # [prompt, sampling, completions] of every request, in the order sent
     answers = [g.tokenizer.convert_tokens_to_ids(a) for a in ("HIT", "STAND")]
@@ -216,9 +217,9 @@ def test_a_groups_games_at_one_prompt_share_one_request_each_sample_used_once(g)
 
 
 def test_an_evaluation_asks_once_per_distinct_prompt(g):
-    """forge_rl.play.GreedyAnswers: games at the same prompt share one greedy request, whose answer
+    """rollout/requests.py GreedyAnswers: games at the same prompt share one greedy request, whose answer
     is what a request of their own would have returned."""
-    from forge_rl.play import GreedyAnswers
+    from forge_rl.rollout.requests import GreedyAnswers
 
     requests = []
 
@@ -253,7 +254,7 @@ def test_weight_updates_change_logprobs_stamp_versions_and_restore_exactly(g):
         return await in_flight
 
     zeroed = dict(original, **{"lm_head.weight": torch.zeros_like(original["lm_head.weight"])})
-    g.run(store.put_state_dict(zeroed, version=1))
+    g.run(control.put_state_dict(zeroed, version=1))
     in_flight = g.run(update_while_generating(1))[0]
     uniform = -math.log(vocab_size)  # zero logits: every token equally likely
     after = generate(g, g.prompt, **greedy)[0]
@@ -266,7 +267,7 @@ def test_weight_updates_change_logprobs_stamp_versions_and_restore_exactly(g):
     else:
         assert in_flight.policy_version == 1 and in_flight.logprobs == pytest.approx([uniform] * 64, abs=1e-5)
 
-    g.run(store.put_state_dict(original, version=2))
+    g.run(control.put_state_dict(original, version=2))
     g.run(g.gen.update_weights.call_one(2))
     restored = generate(g, g.prompt, **greedy)[0]
     assert restored.policy_version == 2
@@ -276,7 +277,7 @@ def test_weight_updates_change_logprobs_stamp_versions_and_restore_exactly(g):
         g.run(g.gen.update_weights.call_one(99))
     assert g.run(g.gen.current_version.call_one()) == 2
     for version in (1, 2):
-        g.run(store.delete_version(version))
+        g.run(control.delete_version(version))
 
 
 # ---- WeightGate and write_weights_file alone, on CPU (no engine)

@@ -24,8 +24,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from forge_rl.config import parse_cli
-from forge_rl.envs.client import free_port
+from forge_rl.core.config import parse_cli
+from forge_rl.core.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # The oldest Kubernetes release still widely run, and the newest schemas kubernetes-validate ships
@@ -182,7 +182,7 @@ def test_job_runs_the_app_with_the_mounted_config_and_the_env_service(each_rende
     # run_dir lands on the PVC.
     data_mount = next(m for m in trainer["volumeMounts"] if cfg.run_dir.startswith(m["mountPath"] + "/"))
     assert volumes[data_mount["name"]]["persistentVolumeClaim"]["claimName"] == "forge-rl-data"
-    # The run places its roles on the worker pods of this namespace (forge_rl/cluster.py).
+    # The run places its roles on the worker pods of this namespace (forge_rl/runtime/cluster.py).
     assert cfg.cluster.kubernetes is not None and cfg.cluster.kubernetes.namespace == NAMESPACE
     assert module_exists(command[2]), f"the Job runs {command[2]}, which does not exist"
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from forge_rl.config import GRPOConfig, ISCorrectionConfig
-from forge_rl.loss import (
+from forge_rl.core.config import GRPOConfig, ISCorrectionConfig
+from forge_rl.core.loss import (
     is_weights,
     group_advantages,
     grpo_loss,

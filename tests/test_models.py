@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from forge_rl.models import gguf_file, resolve_model
-from forge_rl.tiny_model import build_tiny_model
+from forge_rl.models.tiny import build_tiny_model
 
 
 def test_an_hf_directory_is_used_as_it_is_and_fetch_prints_it(tmp_path):

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from forge_rl.config import ConfigError, load_config
-from forge_rl.tiny_model import build_tiny_model
+from forge_rl.core.config import ConfigError, load_config
+from forge_rl.models.tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 # Monarch stops a worker's processes whose controller has not been heard from for its

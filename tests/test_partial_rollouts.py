@@ -15,13 +15,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from forge_rl import store
-from forge_rl.actor import stop
-from forge_rl.config import GeneratorConfig
-from forge_rl.generator import Generator
-from forge_rl.loss import is_weights
-from forge_rl.tiny_model import build_tiny_model
-from forge_rl.trainer import Trainer
+from forge_rl.weights import control
+from forge_rl.runtime.actor import stop
+from forge_rl.core.config import GeneratorConfig
+from forge_rl.engines.vllm.generator import Generator
+from forge_rl.core.loss import is_weights
+from forge_rl.models.tiny import build_tiny_model
+from forge_rl.engines.titan.trainer import Trainer
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 LONG = dict(temperature=1.0, max_tokens=200, ignore_eos=True)
@@ -34,7 +34,7 @@ def p(tmp_path_factory):
     loop = asyncio.new_event_loop()
 
     async def start():
-        await store.start()
+        await control.start()
         config = GeneratorConfig(max_model_len=512, gpu_memory_utilization=0.01, partial_rollouts=True)
         return await asyncio.gather(
             Generator.options(procs=1).as_actor(str(v0), "float32", config, seed=0),
@@ -54,7 +54,7 @@ def p(tmp_path_factory):
     finally:
         loop.run_until_complete(stop(gen))
         loop.run_until_complete(stop(trainer))
-        loop.run_until_complete(store.stop())
+        loop.run_until_complete(control.stop())
         loop.close()
 
 
@@ -75,7 +75,7 @@ def test_a_request_straddling_a_weight_update_is_paused_not_aborted_and_tagged_p
     clock = time.perf_counter()
     p.run(p.gen.generate.call_one(p.prompt, LONG))
     duration = time.perf_counter() - clock  # of 200 tokens, engine warm
-    p.run(store.put_state_dict(p.v1_weights, version=1))
+    p.run(control.put_state_dict(p.v1_weights, version=1))
 
     async def straddle():
         done, updated = [], asyncio.Event()
@@ -127,4 +127,4 @@ def test_a_request_straddling_a_weight_update_is_paused_not_aborted_and_tagged_p
     # The geometric mask with a tight band removes the mixed episode and keeps the pure one.
     weights = is_weights(torch.stack([log_ratio, pure_log_ratio]), torch.ones(2, 200), "geo", "mask", 0.99, 1.01)
     assert weights[0].sum() == 0 and weights[1].sum() == 200
-    p.run(store.delete_version(1))
+    p.run(control.delete_version(1))

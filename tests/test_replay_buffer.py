@@ -5,9 +5,9 @@ import asyncio
 import pytest
 import torch
 
-from forge_rl.actor import stop
-from forge_rl.replay_buffer import ReplayBuffer, ReplayBufferActor
-from forge_rl.types import Episode
+from forge_rl.runtime.actor import stop
+from forge_rl.buffer.replay_buffer import ReplayBuffer, ReplayBufferActor
+from forge_rl.core.types import Episode
 
 
 def episode(group_id: str, version: int, reward: float) -> Episode:

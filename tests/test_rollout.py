@@ -6,12 +6,12 @@ template adds a system prompt to the first turn only."""
 import pytest
 import torch
 
-from apps.blackjack import game
-from forge_rl.play import prompt_ids
+from apps.blackjack import task as game
+from forge_rl.rollout.play import prompt_ids
 from forge_rl.models import resolve_model
-from forge_rl.rollout import Conversation
-from forge_rl.tiny_model import build_tiny_model
-from forge_rl.types import Completion
+from forge_rl.core.episode import EpisodeRecord
+from forge_rl.models.tiny import build_tiny_model
+from forge_rl.core.types import Completion
 
 
 @pytest.fixture(scope="module", params=["tiny", "smollm2"])
@@ -39,13 +39,14 @@ def completion(prompt, ids, logprobs, version, text="HIT"):
 
 def test_two_turns_keep_sampled_ids_and_mark_only_them(tokenizer):
     first = prompt_ids(game, tokenizer, OBS_1, first_turn=True)
-    conv = Conversation(first)
+    record = EpisodeRecord()
+    record.add_prompt(first)
     hit, stand, end = ids(tokenizer, "HIT")[:1], ids(tokenizer, "STAND")[:1], [tokenizer.eos_token_id]
-    conv.add_completion(completion(conv.prompt_ids, hit + end, [-0.7, -0.01], version=3))
+    record.add_completion(completion(record.token_ids, hit + end, [-0.7, -0.01], version=3))
     second = prompt_ids(game, tokenizer, OBS_2, first_turn=False)
-    conv.add_turn(second)
-    conv.add_completion(completion(conv.prompt_ids, stand + end, [-0.2, -0.02], version=4, text="STAND"))
-    episode = conv.to_episode(reward=1.0, group_id="seed7")
+    record.add_prompt(second)
+    record.add_completion(completion(record.token_ids, stand + end, [-0.2, -0.02], version=4, text="STAND"))
+    episode = record.to_episode(reward=1.0, group_id="seed7")
 
     n1, n2 = len(first), len(second)
     assert episode.tokens.tolist() == first + hit + end + second + stand + end
@@ -56,27 +57,29 @@ def test_two_turns_keep_sampled_ids_and_mark_only_them(tokenizer):
     assert torch.allclose(lp[-2:], torch.tensor([-0.2, -0.02]))
     assert lp[torch.tensor(expected_mask) == 0].abs().sum() == 0
     assert episode.policy_version == 3, "an episode is as old as its oldest completion"
+    assert episode.token_versions.tolist() == [-1] * n1 + [3, 3] + [-1] * n2 + [4, 4], "each token keeps its own version"
     assert episode.reward == 1.0 and episode.group_id == "seed7"
 
 
 def test_turn_pieces_join_into_the_chat_template_conversation(tokenizer):
     """Appending each turn's ids alone must give the same text the chat template gives the whole
     conversation, so the model sees a well-formed conversation without anything being re-tokenized."""
-    conv = Conversation(prompt_ids(game, tokenizer, OBS_1, first_turn=True))
+    record = EpisodeRecord()
+    record.add_prompt(prompt_ids(game, tokenizer, OBS_1, first_turn=True))
     answer = ids(tokenizer, "HIT") + [tokenizer.eos_token_id]  # several tokens with a BPE tokenizer
-    conv.add_completion(completion(conv.prompt_ids, answer, [-0.5] * len(answer), version=0))
-    conv.add_turn(prompt_ids(game, tokenizer, OBS_2, first_turn=False))
+    record.add_completion(completion(record.token_ids, answer, [-0.5] * len(answer), version=0))
+    record.add_prompt(prompt_ids(game, tokenizer, OBS_2, first_turn=False))
     whole = tokenizer.apply_chat_template(
         [{"role": "user", "content": game.render_prompt(OBS_1)}, {"role": "assistant", "content": "HIT"},
          {"role": "user", "content": game.render_prompt(OBS_2)}],
         tokenize=False, add_generation_prompt=True,
     )
-    assert tokenizer.decode(conv.tokens) == whole
+    assert tokenizer.decode(record.token_ids) == whole
 
 
 def test_completion_for_another_prompt_is_refused():
-    conv = Conversation([1, 2, 3])
+    record = EpisodeRecord([1, 2, 3])
     with pytest.raises(ValueError, match="different prompt"):
-        conv.add_completion(completion([1, 2], [5], [-0.1], version=0))
+        record.add_completion(completion([1, 2], [5], [-0.1], version=0))
     with pytest.raises(ValueError, match="at least one completion"):
-        Conversation([1]).to_episode(0.0, "g")
+        EpisodeRecord([1]).to_episode(0.0, "g")

@@ -5,12 +5,13 @@ import asyncio
 import pytest
 import torch
 
-from forge_rl.config import GRPOConfig, OptimizerConfig, SelfImitationConfig
-from forge_rl.self_imitation import ImitationPool, best_of_groups
-from forge_rl.tiny_model import build_tiny_model
-from forge_rl.titan_model import sequence_logprobs
-from forge_rl.trainer import Trainer
-from forge_rl.types import Episode
+from forge_rl.core.config import GRPOConfig, OptimizerConfig, SelfImitationConfig
+from forge_rl.core.objective import GRPOLoss
+from forge_rl.recipes.grpo.self_imitation import ImitationPool, best_of_groups
+from forge_rl.models.tiny import build_tiny_model
+from forge_rl.engines.titan.model import sequence_logprobs
+from forge_rl.engines.titan.trainer import Trainer
+from forge_rl.core.types import Episode
 
 
 def episode(group_id: str, reward: float, answer: int = 7) -> Episode:
@@ -44,7 +45,7 @@ def model_dir(tmp_path_factory):
 
 def trainer(model_dir, micro_batch_size=8) -> Trainer:
     grpo = GRPOConfig(entropy_coef=0.0, self_imitation=SelfImitationConfig(episodes=4, coef=1.0))
-    actor = Trainer(model_dir, grpo, OptimizerConfig(lr=1e-2, schedule="constant"), micro_batch_size=micro_batch_size)
+    actor = Trainer(model_dir, GRPOLoss(grpo), OptimizerConfig(lr=1e-2, schedule="constant"), micro_batch_size=micro_batch_size)
     asyncio.run(Trainer.setup._method(actor))
     return actor
 

@@ -9,7 +9,7 @@ import psutil
 import pytest
 from monarch.actor import ActorError
 
-from forge_rl.actor import call, start_all, stop
+from forge_rl.runtime.actor import call, start_all, stop
 from tests.service_actors import EchoActor
 
 

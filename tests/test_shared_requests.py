@@ -6,8 +6,8 @@ logic is checked without an engine (tests/test_generator.py checks it on the rea
 
 import asyncio
 
-from forge_rl.play import GreedyAnswers, SharedRequests
-from forge_rl.types import Completion
+from forge_rl.rollout.requests import GreedyAnswers, SharedRequests
+from forge_rl.core.types import Completion
 
 
 def recording_generate(answer_of):

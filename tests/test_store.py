@@ -5,8 +5,8 @@ import asyncio
 import pytest
 import torch
 
-from forge_rl import store
-from forge_rl.actor import stop
+from forge_rl.weights import control
+from forge_rl.runtime.actor import stop
 from tests.service_actors import StoreReader
 
 
@@ -22,13 +22,13 @@ def make_state_dict(seed: int) -> dict[str, torch.Tensor]:
 
 def test_state_dict_round_trips_bit_exact_across_processes_and_versions_are_deleted():
     async def main():
-        await store.start()
+        await control.start()
         reader = await StoreReader.options(procs=1).as_actor()
         try:
             sd1, sd2 = make_state_dict(1), make_state_dict(2)
-            await store.put_state_dict(sd1, version=1)
-            await store.put_state_dict(sd2, version=2)
-            assert await store.list_versions() == [1, 2]
+            await control.put_state_dict(sd1, version=1)
+            await control.put_state_dict(sd2, version=2)
+            assert await control.list_versions() == [1, 2]
 
             fetched = await reader.fetch.call_one(2)
             assert set(fetched) == set(sd2)
@@ -42,16 +42,16 @@ def test_state_dict_round_trips_bit_exact_across_processes_and_versions_are_dele
                                    else tensor.view(torch.int16)), name
             assert not torch.equal(fetched["lm_head.weight"], sd1["lm_head.weight"])
 
-            await store.delete_version(1)
-            assert await store.list_versions() == [2]
+            await control.delete_version(1)
+            assert await control.list_versions() == [2]
             with pytest.raises(KeyError, match="policy/v1"):
-                await store.get_state_dict(1)
+                await control.get_state_dict(1)
             with pytest.raises(Exception, match="policy/v1"):
                 await reader.fetch.call_one(1)
-            again = await store.get_state_dict(2)
+            again = await control.get_state_dict(2)
             assert torch.equal(again["model.norm.weight"], sd2["model.norm.weight"])
         finally:
             await stop(reader)
-            await store.stop()
+            await control.stop()
 
     asyncio.run(main())

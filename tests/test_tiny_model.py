@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
-from forge_rl.tiny_model import build_tiny_model
+from forge_rl.models.tiny import build_tiny_model
 
 BLACKJACK_PROMPT = (
     "You are playing BlackJack. Your cards: 10 and A (total 21, soft). The dealer shows K; "
@@ -75,15 +75,11 @@ def test_vocabulary_covers_blackjack_words_each_as_one_token(model_dir):
 def test_constrained_answers_outside_the_vocabulary_are_refused(model_dir):
     """An app's answer the tiny model does not know is one token, [UNK], and would pass a one-token
     check: every answer would then be invalid, silently. It is refused with the answer named."""
-    import types
-
-    from forge_rl.config import ConfigError
-    from forge_rl.play import answer_token_ids
+    from forge_rl.core.app import App
+    from forge_rl.core.config import ConfigError
+    from forge_rl.rollout.play import answer_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    game = types.ModuleType("apps.poker")
-    game.ACTIONS = ["HIT", "FOLD"]
-    with pytest.raises(ConfigError, match=r"answer 'FOLD' of apps\.poker\.ACTIONS is not in the model's vocabulary"):
-        answer_token_ids(game, tokenizer)
-    game.ACTIONS = ["HIT", "STAND"]
-    assert answer_token_ids(game, tokenizer) == tokenizer.convert_tokens_to_ids(["HIT", "STAND"])
+    with pytest.raises(ConfigError, match=r"answer 'FOLD' of apps\.poker is not in the model's vocabulary"):
+        answer_token_ids(App("apps.poker", answers=("HIT", "FOLD")), tokenizer)
+    assert answer_token_ids(App("apps.poker", answers=("HIT", "STAND")), tokenizer) == tokenizer.convert_tokens_to_ids(["HIT", "STAND"])

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from forge_rl.envs.client import free_port
-from forge_rl.tiny_model import build_tiny_model
-from forge_rl.titan_model import build_model, hf_weight_rows, hf_weights, logprobs_of
+from forge_rl.core.net import free_port
+from forge_rl.models.tiny import build_tiny_model
+from forge_rl.engines.titan.model import build_model, hf_weight_rows, hf_weights, logprobs_of
 from tests.test_trainer import hf_logprobs
 
 

@@ -13,13 +13,14 @@ import pytest
 import torch
 from monarch.actor import ActorError
 
-from forge_rl import store
-from forge_rl.actor import stop
-from forge_rl.config import GRPOConfig, OptimizerConfig
-from forge_rl.reference import ReferenceModel
-from forge_rl.tiny_model import build_tiny_model
-from forge_rl.trainer import Trainer
-from forge_rl.types import Episode
+from forge_rl.weights import control
+from forge_rl.runtime.actor import stop
+from forge_rl.core.config import GRPOConfig, OptimizerConfig
+from forge_rl.core.objective import GRPOLoss
+from forge_rl.engines.titan.reference import ReferenceModel
+from forge_rl.models.tiny import build_tiny_model
+from forge_rl.engines.titan.trainer import Trainer
+from forge_rl.core.types import Episode
 
 GRPO = GRPOConfig(kl_coef=0.05, entropy_coef=0.0, normalize_std=True)
 OPTIM = OptimizerConfig(lr=1e-3, schedule="constant")
@@ -58,10 +59,10 @@ def model_dir(tmp_path_factory):
 def actors(loop, model_dir):
     async def start():
         one, two, ref, _ = await asyncio.gather(
-            Trainer.options(procs=1).as_actor(model_dir, GRPO, OPTIM, micro_batch_size=2),
-            Trainer.options(procs=2).as_actor(model_dir, GRPO, OPTIM, micro_batch_size=2),
+            Trainer.options(procs=1).as_actor(model_dir, GRPOLoss(GRPO), OPTIM, micro_batch_size=2),
+            Trainer.options(procs=2).as_actor(model_dir, GRPOLoss(GRPO), OPTIM, micro_batch_size=2),
             ReferenceModel.options(num_replicas=1).as_service(model_dir),
-            store.start(),
+            control.start(),
         )
         return one, two, ref
 
@@ -69,7 +70,7 @@ def actors(loop, model_dir):
     yield one, two, ref
 
     async def finish():
-        await asyncio.gather(stop(one), stop(two), ref.stop(), store.stop())
+        await asyncio.gather(stop(one), stop(two), ref.stop(), control.stop())
 
     loop.run_until_complete(finish())
 
@@ -127,7 +128,7 @@ def test_train_step_finite_and_two_ranks_match_one(loop, actors):
 
     (m1, (m2, m2b)), (n1, (n2, _)) = loop.run_until_complete(main())
     expected = {"loss", "kl", "entropy", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "ratio_mean"}
-    expected |= {"ratio_min", "ratio_max", "grad_norm", "lr", "step", "num_tokens", "reward_mean"}
+    expected |= {"ratio_min", "ratio_max", "grad_norm", "lr", "step", "num_tokens"}
     assert expected <= set(m1)
     assert all(math.isfinite(v) for v in m1.values()), m1
     assert m1["step"] == 1 and m1["num_tokens"] == sum(int(e.loss_mask.sum()) for e in batch)
@@ -189,7 +190,7 @@ def test_push_weights_puts_hf_weights_in_the_store(loop, actors, model_dir):
 
     async def main():
         counts = ranks(await two.push_weights.call(7))
-        pushed = await store.get_state_dict(7)
+        pushed = await control.get_state_dict(7)
         return counts, pushed, ranks(await two.logprobs.call(ids))[0]
 
     counts, pushed, trainer_lp = loop.run_until_complete(main())
@@ -209,7 +210,7 @@ def pushers(loop, model_dir, actors):
     from types import SimpleNamespace
 
     def trainer(procs, weight_sync):
-        return Trainer.options(procs=procs).as_actor(model_dir, GRPO, OPTIM, micro_batch_size=2, weight_sync=weight_sync)
+        return Trainer.options(procs=procs).as_actor(model_dir, GRPOLoss(GRPO), OPTIM, micro_batch_size=2, weight_sync=weight_sync)
 
     async def start():
         return await asyncio.gather(trainer(3, "shm"), trainer(2, "broadcast"), trainer(1, "broadcast"))
@@ -225,8 +226,8 @@ def pushers(loop, model_dir, actors):
 
 def broadcast_group(loop, pushers, name: str):
     """This process as rank 1 of trainer `name`'s broadcast group (formed on first use)."""
-    from forge_rl.envs.client import free_port
-    from forge_rl.weight_sync import join_group
+    from forge_rl.core.net import free_port
+    from forge_rl.weights.broadcast import join_group
 
     async def join(trainer, port):
         _, group = await asyncio.gather(trainer.join_weights_group.call("127.0.0.1", port, 2, "127.0.0.1"),
@@ -244,7 +245,9 @@ async def within(awaitable, seconds):
 
 def received(handle: dict, group) -> dict[str, torch.Tensor]:
     """What a generator's vLLM worker on this host would load from `handle`, copied."""
-    from forge_rl.weight_sync import WeightsHandle, broadcast_receive, shared_views, tensor_views
+    from forge_rl.weights.layout import WeightsHandle, tensor_views
+    from forge_rl.weights.broadcast import broadcast_receive
+    from forge_rl.weights.shm import shared_views
 
     handle = WeightsHandle(**handle)
     if handle.kind == "shm":
@@ -256,7 +259,7 @@ def push(loop, trainer, version, group=None) -> dict[str, torch.Tensor]:
     """Push `version` from every rank of `trainer`; what a generator then loads."""
     counts = ranks(loop.run_until_complete(within(trainer.push_weights.call(version), 120)))
     assert counts[1:] == [0] * (len(counts) - 1)  # other ranks only gather
-    return received(loop.run_until_complete(store.get_handle(version)), group)
+    return received(loop.run_until_complete(control.get_handle(version)), group)
 
 
 def train(loop, trainer):
@@ -306,7 +309,7 @@ def test_an_unsharded_trainer_steps_only_once_its_broadcast_is_sent(loop, pusher
     waits for the generators to take it; they get exactly the pushed version."""
     trainer, group = pushers.unsharded, broadcast_group(loop, pushers, "unsharded")
     loop.run_until_complete(trainer.push_weights.call(41))
-    handle = loop.run_until_complete(store.get_handle(41))
+    handle = loop.run_until_complete(control.get_handle(41))
     batch = make_batch(seed=5)
 
     async def step_while_sending():
@@ -340,15 +343,15 @@ def test_advantages_are_computed_per_group():
     for e, reward in zip(batch, [2.0, 3.0, -3.0, -2.0]):
         e.reward = reward
     batch = [batch[0], batch[2], batch[1], batch[3]]  # groups interleaved: rows are matched by group_id
-    t = Trainer("unused", GRPOConfig(normalize_std=True))._tensors(batch, None)
-    torch.testing.assert_close(t["advantages"], torch.tensor([-1.0, -1.0, 1.0, 1.0]), atol=1e-5, rtol=0)
-    t = Trainer("unused", GRPOConfig(normalize_std=False))._tensors(batch, None)
-    torch.testing.assert_close(t["advantages"], torch.tensor([-0.5, -0.5, 0.5, 0.5]), atol=1e-5, rtol=0)
+    advantages = GRPOLoss(GRPOConfig(normalize_std=True)).advantages(batch)
+    torch.testing.assert_close(advantages, torch.tensor([-1.0, -1.0, 1.0, 1.0]), atol=1e-5, rtol=0)
+    advantages = GRPOLoss(GRPOConfig(normalize_std=False)).advantages(batch)
+    torch.testing.assert_close(advantages, torch.tensor([-0.5, -0.5, 0.5, 0.5]), atol=1e-5, rtol=0)
 
 
 def test_batch_tensors_keep_each_token_at_its_position():
     batch = make_batch(n_groups=1, group_size=3)
-    t = Trainer("unused", GRPOConfig())._tensors(batch, [e.behaviour_logprobs + 1 for e in batch])
+    t = Trainer("unused")._tensors(batch, torch.zeros(len(batch)), [e.behaviour_logprobs + 1 for e in batch])
     for i, e in enumerate(batch):
         n = len(e.tokens)
         assert t["lengths"][i] == n and torch.equal(t["tokens"][i, :n], e.tokens) and not t["tokens"][i, n:].any()
@@ -365,7 +368,7 @@ def test_on_policy_train_step_has_ratio_one_at_the_sampling_temperature(model_di
     batch = make_batch()
     for e, lp in zip(batch, hf_logprobs(model_dir, [e.tokens for e in batch], temperature=temperature)):
         e.behaviour_logprobs = lp * e.loss_mask
-    trainer = in_process(Trainer, model_dir, GRPOConfig(), OPTIM, micro_batch_size=2, temperature=temperature)
+    trainer = in_process(Trainer, model_dir, GRPOLoss(GRPOConfig()), OPTIM, micro_batch_size=2, temperature=temperature)
     metrics = asyncio.run(Trainer.train_step._method(trainer, batch, None))
     assert metrics["ratio_min"] == pytest.approx(1, abs=1e-4) and metrics["ratio_max"] == pytest.approx(1, abs=1e-4)
     assert metrics["num_tokens"] == sum(int(e.loss_mask.sum()) for e in batch)
@@ -379,12 +382,12 @@ def test_resume_with_more_steps_continues_the_new_schedule(model_dir, tmp_path):
     """A cosine schedule decays to lr 0 at max_steps; resumed with a larger max_steps, the next step
     trains at the new schedule's lr, not at the 0 the checkpoint holds."""
     batch, cosine = make_batch(), OptimizerConfig(lr=1e-3, schedule="cosine")
-    first = in_process(Trainer, model_dir, GRPOConfig(), cosine, max_steps=2)
+    first = in_process(Trainer, model_dir, GRPOLoss(GRPOConfig()), cosine, max_steps=2)
     lrs = [asyncio.run(Trainer.train_step._method(first, batch, None))["lr"] for _ in range(2)]
     asyncio.run(Trainer.save_checkpoint._method(first, str(tmp_path / "ckpt")))
     assert lrs[0] == 1e-3 and first.optimizers.optimizers[0].param_groups[0]["lr"] == 0
 
-    longer = in_process(Trainer, model_dir, GRPOConfig(), cosine, max_steps=4)
+    longer = in_process(Trainer, model_dir, GRPOLoss(GRPOConfig()), cosine, max_steps=4)
     asyncio.run(Trainer.load_checkpoint._method(longer, str(tmp_path / "ckpt")))
     resumed = asyncio.run(Trainer.train_step._method(longer, batch, None))
     assert resumed["step"] == 3 and resumed["lr"] == pytest.approx(0.5e-3), "cosine over 4 steps is at half at step 2"

@@ -11,9 +11,10 @@ import threading
 import pytest
 import torch
 
-from forge_rl import weight_sync
-from forge_rl.provisioner import Host
-from forge_rl.weight_sync import SharedBuffers, StaleWeightsError, WeightsHandle
+from forge_rl.weights import broadcast, layout, plan, shm
+from forge_rl.runtime.provisioner import Host
+from forge_rl.weights.shm import SharedBuffers
+from forge_rl.weights.layout import StaleWeightsError, WeightsHandle
 
 
 def make_state_dict(seed: int) -> dict[str, torch.Tensor]:
@@ -28,8 +29,8 @@ def make_state_dict(seed: int) -> dict[str, torch.Tensor]:
 
 def read(handle: WeightsHandle) -> dict[str, torch.Tensor]:
     """What a reader does: views, copies, and the check after."""
-    out = {name: view.clone() for name, view in weight_sync.shared_views(handle)}
-    weight_sync.check_buffer(weight_sync.map_buffer(handle.path), handle)
+    out = {name: view.clone() for name, view in shm.shared_views(handle)}
+    shm.check_buffer(shm.map_buffer(handle.path), handle)
     return out
 
 
@@ -53,7 +54,7 @@ def test_versions_alternate_between_two_buffers_and_read_back_bit_exact(buffers)
     assert [h.path for h in handles] == [buffers.paths[1], buffers.paths[0], buffers.paths[1]]
     assert_bit_exact(read(handles[1]), make_state_dict(2))
     assert_bit_exact(read(handles[2]), make_state_dict(3))
-    assert all(offset % weight_sync.ALIGN == 0 for *_, offset in handles[2].layout)
+    assert all(offset % layout.ALIGN == 0 for *_, offset in handles[2].layout)
 
 
 def test_fused_projections_are_one_block_of_the_buffer_in_vllm_row_order(buffers):
@@ -64,11 +65,11 @@ def test_fused_projections_are_one_block_of_the_buffer_in_vllm_row_order(buffers
         "self_attn.k_proj", "self_attn.q_proj", "self_attn.q_norm", "self_attn.v_proj", "mlp.gate_proj",
         "mlp.down_proj", "mlp.up_proj")] + ["lm_head.weight"]
     state = {n: torch.randn(24, 16, generator=g) for n in names}
-    ordered = weight_sync.fused_order(state)
+    ordered = layout.fused_order(state)
     assert sorted(ordered) == sorted(state) and all(ordered[n] is state[n] for n in state)  # no copies
-    views = dict(weight_sync.shared_views(buffers.write(ordered, 1)))
+    views = dict(shm.shared_views(buffers.write(ordered, 1)))
     for i in range(2):
-        for group in weight_sync.FUSED_PROJECTIONS:
+        for group in layout.FUSED_PROJECTIONS:
             parts = [views[f"model.layers.{i}.{'self_attn' if 'q_proj' in group else 'mlp'}.{p}.weight"] for p in group]
             assert all(b.data_ptr() == a.data_ptr() + a.nbytes for a, b in zip(parts, parts[1:])), (i, group)
     assert list(ordered)[:2] == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"]
@@ -99,14 +100,14 @@ def test_a_half_written_buffer_is_refused(buffers):
 
 def test_a_read_overtaken_by_the_writer_is_refused_after_the_copy(buffers):
     handle = buffers.write(make_state_dict(1), 1)
-    views = weight_sync.shared_views(handle)
+    views = shm.shared_views(handle)
     first = next(views)[1].clone()  # the reader has started copying ...
     buffers.write(make_state_dict(2), 2)
     buffers.write(make_state_dict(3), 3)  # ... when the writer comes round to its buffer again
     rest = [v.clone() for _, v in views]
     assert len(rest) == 3 and first.numel()
     with pytest.raises(StaleWeightsError, match="holding version 3, not version 1"):
-        weight_sync.check_buffer(weight_sync.map_buffer(handle.path), handle)
+        shm.check_buffer(shm.map_buffer(handle.path), handle)
 
 
 def test_the_writer_waits_for_a_reader_holding_its_buffer(buffers, monkeypatch):
@@ -115,7 +116,7 @@ def test_the_writer_waits_for_a_reader_holding_its_buffer(buffers, monkeypatch):
     version v intact."""
     old = buffers.write(make_state_dict(1), 1)
     buffers.write(make_state_dict(2), 2)
-    lock = weight_sync.lock_for_reading(old.path)
+    lock = shm.lock_for_reading(old.path)
     writer = threading.Thread(target=buffers.write, args=(make_state_dict(3), 3))
     writer.start()
     writer.join(0.5)
@@ -127,8 +128,8 @@ def test_the_writer_waits_for_a_reader_holding_its_buffer(buffers, monkeypatch):
     with pytest.raises(StaleWeightsError, match="holding version 3, not version 1"):
         read(old)
 
-    monkeypatch.setattr(weight_sync, "READERS_TIMEOUT_S", 0.2)
-    lock = weight_sync.lock_for_reading(old.path)
+    monkeypatch.setattr(shm, "READERS_TIMEOUT_S", 0.2)
+    lock = shm.lock_for_reading(old.path)
     try:
         with pytest.raises(RuntimeError, match="still being loaded by a generator after 0.2 s: not overwritten"):
             buffers.write(make_state_dict(5), 5)
@@ -138,7 +139,7 @@ def test_the_writer_waits_for_a_reader_holding_its_buffer(buffers, monkeypatch):
 
 
 def buffers_header(path: str) -> dict:
-    token, version, _ = weight_sync.map_buffer(path)[: weight_sync.HEADER_BYTES].view(torch.int64)[:3].tolist()
+    token, version, _ = shm.map_buffer(path)[: shm.HEADER_BYTES].view(torch.int64)[:3].tolist()
     return {"token": token, "version": version}
 
 
@@ -160,18 +161,18 @@ def test_a_reader_refuses_a_buffer_the_writer_holds(buffers):
     try:
         assert midway.wait(10)
         with pytest.raises(StaleWeightsError, match="being written"):
-            weight_sync.lock_for_reading(buffers.paths[0])
+            shm.lock_for_reading(buffers.paths[0])
     finally:
         finish.set()
         writer.join(10)
-    os.close(weight_sync.lock_for_reading(buffers.paths[0]))  # free again once written
+    os.close(shm.lock_for_reading(buffers.paths[0]))  # free again once written
 
 
 def test_buffers_of_a_writer_killed_with_minus_9_are_removed_and_a_live_writers_are_not(buffers):
     mine = buffers.write(make_state_dict(1), 1)
     code = (
         "import os, sys, torch\n"
-        "from forge_rl.weight_sync import SharedBuffers\n"
+        "from forge_rl.weights.shm import SharedBuffers\n"
         "b = SharedBuffers(); b.write({'w': torch.ones(1000)}, 1)\n"
         "print(' '.join(b.paths), flush=True); sys.stdin.read()\n"
     )
@@ -179,10 +180,10 @@ def test_buffers_of_a_writer_killed_with_minus_9_are_removed_and_a_live_writers_
     writer = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     theirs = writer.stdout.readline().decode().split()
     assert len(theirs) == 2 and all(os.path.exists(p) for p in theirs)
-    assert weight_sync.remove_orphaned_buffers() == []  # its writer is alive
+    assert shm.remove_orphaned_buffers() == []  # its writer is alive
     writer.send_signal(signal.SIGKILL)
     writer.wait()
-    removed = weight_sync.remove_orphaned_buffers()
+    removed = shm.remove_orphaned_buffers()
     assert sorted(removed) == sorted(os.path.basename(p) for p in theirs)
     assert not any(os.path.exists(p) for p in theirs)
     assert_bit_exact(read(mine), make_state_dict(1))  # this process's buffers are untouched
@@ -191,17 +192,17 @@ def test_buffers_of_a_writer_killed_with_minus_9_are_removed_and_a_live_writers_
 def test_auto_picks_shared_memory_on_one_host_broadcast_across_hosts_and_the_fallback_when_it_must():
     """`plan` decides from where trainer rank 0 and each replica run (the provisioner's hosts)."""
     here, there = Host("127.0.0.2", "tcp://127.0.0.2:1", []), Host("127.0.0.3", "tcp://127.0.0.3:1", [])
-    assert asyncio.run(weight_sync.plan("auto", here, [here, here], 10**6)).kind == "shm"
-    across = asyncio.run(weight_sync.plan("auto", here, [here, there], 10**6))
+    assert asyncio.run(plan.plan("auto", here, [here, here], 10**6)).kind == "shm"
+    across = asyncio.run(plan.plan("auto", here, [here, there], 10**6))
     assert (across.kind, across.rendezvous, across.binds) == ("broadcast", "127.0.0.2", ["127.0.0.2", "127.0.0.3"])
-    assert asyncio.run(weight_sync.plan("auto", here, [here], 10**15)).kind == "store"  # /dev/shm cannot hold it
-    assert asyncio.run(weight_sync.plan("store", here, [there], 10**6)).kind == "store"
-    assert asyncio.run(weight_sync.plan("broadcast", here, [here], 10**6)).kind == "broadcast"
+    assert asyncio.run(plan.plan("auto", here, [here], 10**15)).kind == "store"  # /dev/shm cannot hold it
+    assert asyncio.run(plan.plan("store", here, [there], 10**6)).kind == "store"
+    assert asyncio.run(plan.plan("broadcast", here, [here], 10**6)).kind == "broadcast"
     with pytest.raises(ValueError, match="generator.weight_sync: shm needs the generators on the trainer's host 127.0.0.2, "
                                          "but some run on 127.0.0.3"):
-        asyncio.run(weight_sync.plan("shm", here, [here, there], 10**6))
+        asyncio.run(plan.plan("shm", here, [here, there], 10**6))
     with pytest.raises(ValueError, match="generator.weight_sync"):
-        asyncio.run(weight_sync.plan("nccl", here, [here], 1))
+        asyncio.run(plan.plan("nccl", here, [here], 1))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: GPU tensors written into the host buffer")
@@ -213,14 +214,14 @@ def test_cuda_state_dicts_are_written_straight_into_the_buffer(buffers):
 def _broadcast_member(rank: int, port: int, bind: str, results) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)
-    group = weight_sync.join_group("127.0.0.2", port, rank, 2, bind, timeout_s=60)
+    group = broadcast.join_group("127.0.0.2", port, rank, 2, bind, timeout_s=60)
     state_dict = make_state_dict(1)
-    layout, nbytes = weight_sync.make_layout(state_dict)
+    places, nbytes = layout.make_layout(state_dict)
     if rank == 0:
-        weight_sync.broadcast_send(group, list(state_dict.values()))
+        broadcast.broadcast_send(group, list(state_dict.values()))
     else:
-        staging = weight_sync.broadcast_receive(group, WeightsHandle("broadcast", 1, layout=layout, nbytes=nbytes), None)
-        results.put(as_bytes(dict(weight_sync.tensor_views(staging, layout))))
+        staging = broadcast.broadcast_receive(group, WeightsHandle("broadcast", 1, layout=places, nbytes=nbytes), None)
+        results.put(as_bytes(dict(layout.tensor_views(staging, places))))
 
 
 def as_bytes(state_dict: dict) -> dict[str, bytes]:
@@ -231,7 +232,7 @@ def as_bytes(state_dict: dict) -> dict[str, bytes]:
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
 def test_a_broadcast_between_two_addresses_arrives_bit_exact():
     """Gloo on CPU (members bound to 127.0.0.2 and 127.0.0.3), NCCL when CUDA is present."""
-    from forge_rl.envs.client import free_port
+    from forge_rl.core.net import free_port
 
     ctx = torch.multiprocessing.get_context("spawn")
     results, port = ctx.Queue(), free_port()

@@ -20,13 +20,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from forge_rl import store, vllm_worker, weight_sync
-from forge_rl.actor import stop
-from forge_rl.config import GeneratorConfig
-from forge_rl.generator import Generator
-from forge_rl.envs.client import free_port
-from forge_rl.tiny_model import build_tiny_model
-from forge_rl.trainer import Trainer
+from forge_rl.weights import control
+from forge_rl.engines.vllm import worker as vllm_worker
+from forge_rl.weights import broadcast, layout, shm
+from forge_rl.runtime.actor import stop
+from forge_rl.core.config import GeneratorConfig
+from forge_rl.engines.vllm.generator import Generator
+from forge_rl.core.net import free_port
+from forge_rl.models.tiny import build_tiny_model
+from forge_rl.engines.titan.trainer import Trainer
 
 pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow]  # the shared fixture starts two engines and two trainers
 PROMPT = list(range(40, 60))
@@ -35,7 +37,7 @@ GREEDY = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 def trainer_buffers(trainer_pid: int) -> list[str]:
     """The buffers of one trainer (other runs on this host may have theirs in /dev/shm meanwhile)."""
-    return glob.glob(os.path.join(weight_sync.SHM_DIR, f"{weight_sync.BUFFER_PREFIX}{trainer_pid}_*"))
+    return glob.glob(os.path.join(shm.SHM_DIR, f"{shm.BUFFER_PREFIX}{trainer_pid}_*"))
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def a(tmp_path_factory):
     config = GeneratorConfig(max_model_len=256, gpu_memory_utilization=0.01)
 
     async def start():
-        await store.start()
+        await control.start()
         return await asyncio.gather(
             Generator.options(procs=1).as_actor(str(path), "float32", config, seed=0),
             Generator.options(procs=1).as_actor(str(path), "float32", config, seed=0),
@@ -63,7 +65,7 @@ def a(tmp_path_factory):
     finally:
         loop.run_until_complete(gather(*(stop(x) for x in (one, two, shm_trainer, broadcast_trainer)),
                                                return_exceptions=True))
-        loop.run_until_complete(store.stop())
+        loop.run_until_complete(control.stop())
         loop.close()
 
 
@@ -79,7 +81,7 @@ def load_zeros(a, generators) -> None:
     """Through the TorchStore state-dict path (no handle: what older callers put)."""
     a.version += 1
     zeros = {k: torch.zeros_like(v) for k, v in load_file(a.path / "model.safetensors").items()}
-    a.run(store.put_state_dict(zeros, a.version))
+    a.run(control.put_state_dict(zeros, a.version))
     a.run(gather(*(g.update_weights.call_one(a.version) for g in generators)))
     vocab = zeros["lm_head.weight"].shape[0]
     for g in generators:
@@ -107,7 +109,7 @@ def test_two_replicas_load_one_shared_buffer_bit_exact(a):
     load_zeros(a, a.generators)
     a.version += 1
     a.run(a.shm_trainer.push_weights.call(a.version))
-    handle = a.run(store.get_handle(a.version))
+    handle = a.run(control.get_handle(a.version))
     assert handle["kind"] == "shm" and handle["host"] == socket.gethostname()
     a.run(gather(*(g.update_weights.call_one(a.version) for g in a.generators)))
     for g, original in zip(a.generators, a.original):
@@ -124,7 +126,7 @@ def test_two_replicas_load_one_shared_buffer_bit_exact(a):
 
 def test_vllm_workers_run_with_the_malloc_settings_that_keep_freed_memory(a):
     """Set in the Generator's environment before vLLM spawns its engine processes, which read them at start."""
-    handle = a.run(store.get_handle(a.version))
+    handle = a.run(control.get_handle(a.version))
     workers = [p for p in map(psutil.Process, processes_mapping(handle["path"])) if p.name().startswith("VLLM::Worker")]
     assert len(workers) == 2, workers  # one per replica
     for worker in workers:
@@ -137,8 +139,8 @@ def test_vllm_workers_run_with_the_malloc_settings_that_keep_freed_memory(a):
 def test_the_engine_copies_the_buffer_it_loaded_from(a):
     """Zeroing the buffer once the load is done leaves the served weights alone (vLLM keeps no views of it)."""
     a.run(a.generators[0].finish_loading.call_one())
-    handle = weight_sync.WeightsHandle(**a.run(store.get_handle(a.version)))
-    weight_sync.map_buffer(handle.path)[weight_sync.HEADER_BYTES :].zero_()
+    handle = layout.WeightsHandle(**a.run(control.get_handle(a.version)))
+    shm.map_buffer(handle.path)[shm.HEADER_BYTES :].zero_()
     assert logprobs(a, a.generators[0]) == a.original[0]
     a.run(a.shm_trainer.push_weights.call(a.version + 2))  # into the same buffer: version a.version is gone
     with pytest.raises(Exception, match=f"holding version {a.version + 2}, not version {a.version}"):
@@ -153,8 +155,8 @@ def test_the_fallback_path_through_torchstore_state_dicts_is_bit_exact(a):
     load_zeros(a, a.generators[:1])
     a.version += 1
     original = load_file(a.path / "model.safetensors")
-    a.run(store.put_state_dict(original, a.version))
-    a.run(store.put_handle(weight_sync.WeightsHandle("store", a.version).as_dict(), a.version))
+    a.run(control.put_state_dict(original, a.version))
+    a.run(control.put_handle(layout.WeightsHandle("store", a.version).as_dict(), a.version))
     a.run(a.generators[0].update_weights.call_one(a.version))
     assert logprobs(a, a.generators[0]) == a.original[0]
 
@@ -164,10 +166,10 @@ def test_a_buffer_without_the_fused_blocks_loads_through_vllms_reload_bit_exact(
     weight as one block: the worker takes vLLM's reload_weights instead of packing from the buffer."""
     load_zeros(a, a.generators[:1])
     a.version += 1
-    buffers = weight_sync.SharedBuffers()
+    buffers = shm.SharedBuffers()
     try:
         handle = buffers.write(load_file(a.path / "model.safetensors"), a.version)
-        a.run(store.put_handle(handle.as_dict(), a.version))
+        a.run(control.put_handle(handle.as_dict(), a.version))
         a.run(a.generators[0].update_weights.call_one(a.version))
         assert logprobs(a, a.generators[0]) == a.original[0]
     finally:
@@ -177,11 +179,11 @@ def test_a_buffer_without_the_fused_blocks_loads_through_vllms_reload_bit_exact(
 def test_broadcast_between_two_host_addresses_is_bit_exact(a):
     """The trainer on 127.0.0.2 (its rendezvous too), the generator's vLLM worker on 127.0.0.3: gloo."""
     generator = a.generators[1]
-    a.run(weight_sync.connect_broadcast(a.broadcast_trainer, [generator], 1, "127.0.0.2", ["127.0.0.3"], free_port()))
+    a.run(broadcast.connect(a.broadcast_trainer, [generator], 1, "127.0.0.2", ["127.0.0.3"], free_port()))
     load_zeros(a, [generator])
     a.version += 1
     a.run(a.broadcast_trainer.push_weights.call(a.version))
-    assert a.run(store.get_handle(a.version))["kind"] == "broadcast"
+    assert a.run(control.get_handle(a.version))["kind"] == "broadcast"
     a.run(generator.update_weights.call_one(a.version))
     a.run(generator.finish_loading.call_one())
     assert logprobs(a, generator) == a.original[1]

@@ -1,17 +1,17 @@
-"""BlackJack played by a plain OpenAI-SDK agent: the chat-agent form of apps/blackjack/game.py.
+"""BlackJack played by a plain OpenAI-SDK agent: the chat-agent form of task.py.
 
 The agent knows nothing of RL. It deals its hand from its environment session, sends each observation
 as a user message, reads HIT or STAND from the reply and plays it, until the hand is over. The same
 prompt and parsing as the environment form, so the two forms train on the same ids (configs/
 blackjack_agent_tiny_cpu.yaml against configs/blackjack_tiny_cpu.yaml). The reference policies and
-exact EVs are the game's: evaluation reads the agent's EV against them on the same deals.
+exact EVs are task.py's: evaluation reads the agent's EV against them on the same deals.
 """
 
 from __future__ import annotations
 
 from openai import AsyncOpenAI
 
-from apps.blackjack.game import ACTIONS, REFERENCE_EV, REFERENCE_POLICIES, eval_metrics, parse_action, render_prompt, reward
+from apps.blackjack.task import ACTIONS, REFERENCE_EV, REFERENCE_POLICIES, eval_metrics, parse_action, render_prompt, reward
 
 __all__ = ["run_agent", "ACTIONS", "REFERENCE_EV", "REFERENCE_POLICIES", "eval_metrics", "parse_action", "reward"]
 

@@ -1,12 +1,12 @@
-"""BlackJack for a pretrained chat model: the same game (game.py), asked and answered in plain English.
+"""BlackJack for a pretrained chat model: the same game (task.py), asked and answered in plain English.
 
-game.py's terse prompt ("Dealer 10. You 17 soft. HIT or STAND?") suits a tiny model that learns every
+task.py's terse prompt ("Dealer 10. You 17 soft. HIT or STAND?") suits a tiny model that learns every
 token from scratch; a pretrained model (SmolLM2, Qwen3) reads a sentence better, and answers in free
 text (`sampling.constrained: false`): the action is the first of "hit" and "stand" that the answer names
 ("Hit.", "I would stand.", "You should hit, since..."); an answer naming neither is invalid. A small chat
 model seldom answers with the bare word (SmolLM2-135M: a few answers in a hundred), so a strict parse
 would leave every group's games all invalid alike, with nothing for GRPO to compare. Rewards, reference
-policies and their EVs are game.py's.
+policies and their EVs are task.py's.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from apps.blackjack.game import ACTIONS, REFERENCE_EV, REFERENCE_POLICIES, _fields, card_value, eval_metrics, reward  # noqa: F401
+from apps.blackjack.task import ACTIONS, REFERENCE_EV, REFERENCE_POLICIES, _fields, card_value, eval_metrics, reward  # noqa: F401
 
 
 def render_prompt(observation: Any) -> str:

@@ -2,11 +2,13 @@
 
 The chat-agent form with tools. The agent talks to the policy through an unmodified AsyncOpenAI
 client and offers it one tool, run_python; each call runs in the code interpreter environment
-(forge_rl/envs/code_interpreter.py, sandboxed) and what it printed goes back as the tool's result. The
+(apps/coder/interpreter.py, sandboxed) and what it printed goes back as the tool's result. The
 first reply without a tool call is the answer: its ```python block is graded by the task's tests in
 the same environment, and that reward (the fraction of tests passed) stands.
 
-    python -m forge_rl.grpo --config configs/code_agent_smollm2_cpu.yaml
+A config runs it as any agent app: `app_module: apps.code_agent.agent`, `sampling.constrained: false`,
+`env.server: apps.coder.interpreter:CodeInterpreterEnvironment`, `chat.tool_parser` the model's tool-call
+format (configs/blackjack_agent_tiny_cpu.yaml is the agent form's example).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Code tasks as a training app (forge_rl/envs/code_task.py): what the policy reads, how its answer
+"""Code tasks as a training app (env.py): what the policy reads, how its answer
 becomes an action, what it earns, and how an evaluation is summarised.
 
 Two task sets, one module: `synth` (f(x) from three examples; the answer is an expression in x, always
@@ -14,15 +14,14 @@ every hidden test about 0.1% of the time.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from typing import Any
+
+from forge_rl.core.app import observation_fields as _fields
+from forge_rl.core.app import terminal_reward
 
 ANSWER_VOCABULARY = ("x", "+", "-", "*", *"0123456789")  # each one token of the tiny model's tokenizer
 
 _BLOCK = re.compile(r"```(python|run)[^\n]*\n(.*?)```", re.DOTALL)
-
-
-def _fields(observation: Any) -> Mapping[str, Any]:
-    return observation.model_dump() if hasattr(observation, "model_dump") else observation
 
 
 def render_prompt(observation: Any) -> str:
@@ -60,15 +59,10 @@ def parse_action(text: str, observation: Any = None) -> dict | None:
 
 def reward(observation: Any, invalid: bool, invalid_penalty: float) -> float:
     """The fraction of hidden tests passed once submitted (0 for an episode out of turns); -penalty if invalid."""
-    if invalid_penalty < 0:
-        raise ValueError(f"invalid_penalty is a magnitude and must be >= 0, got {invalid_penalty}")
-    if invalid:
-        return 0.0 - float(invalid_penalty)
-    obs = _fields(observation)
-    return float(obs.get("reward") or 0.0) if obs.get("done") else 0.0
+    return terminal_reward(observation, invalid, invalid_penalty)
 
 
-def eval_metrics(results: list) -> dict[str, float]:
+def eval_metrics(results: list, references: dict[str, float]) -> dict[str, float]:
     """eval/pass_all: share of tasks whose submission passed every hidden test; eval/pass_rate: mean
     fraction of tests passed. `results`: the evaluation's games (reward, invalid)."""
     n = max(len(results), 1)

@@ -5,10 +5,11 @@ Action and Observation types (`Environment[MyAction, MyObservation, State]`). `s
 into an HTTP/WebSocket server (`create_app`) with a `/health` that also reports what the
 environment wants known (`health_info()`, e.g. the sandbox mode). Start one with
 
-    python -m forge_rl.envs.blackjack --host 127.0.0.1 --port 8001
-    python -m forge_rl.envs my_pkg.my_env:MyEnvironment --port 8002   # any module:Class
+    python -m forge_rl.envs apps.blackjack.env:BlackJackEnvironment --port 8001   # any module:Class
+    python -m apps.blackjack.env --port 8001                                      # a module that calls serve()
 
-Kept free of openenv imports at module level: the client side imports this package too.
+`launch_local` (local.py) starts one on 127.0.0.1 for a run whose config names `env.server`. Kept free of
+openenv imports at module level: a run's controller imports this package too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import argparse
 import importlib
 import os
 import typing
+
+from forge_rl.compat.openenv import replace_route
 
 DEFAULT_MAX_CONCURRENT_ENVS = 16
 
@@ -59,8 +62,7 @@ def build_app(env_cls: type, max_concurrent_envs: int):
     extra = dict(info_fn()) if callable(info_fn) else {}
     extra.update(environment=env_cls.__name__, max_concurrent_envs=max_concurrent_envs)
     # OpenEnv's /health only says "healthy"; replace it so probes also see e.g. the sandbox mode.
-    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/health"]
-    app.add_api_route("/health", lambda: {"status": "healthy", **extra}, methods=["GET"])
+    replace_route(app, "/health", lambda: {"status": "healthy", **extra}, methods=["GET"])
     return app
 
 

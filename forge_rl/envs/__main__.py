@@ -6,10 +6,11 @@ never a library import.
 """
 
 import os
-import sys
+
+from forge_rl.compat.openenv import skip_gradio
 
 if os.environ.get("ENABLE_WEB_INTERFACE", "false").lower() not in ("true", "1", "yes"):
-    sys.modules.setdefault("gradio", None)  # openenv catches the ImportError and goes on
+    skip_gradio()
 
 from forge_rl.envs import serve  # noqa: E402
 

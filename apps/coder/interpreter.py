@@ -1,0 +1,108 @@
+"""A sandboxed Python interpreter as an OpenEnv server.
+
+An action is Python source, optionally with tests (snippets such as `assert f(2) == 4`, each run
+after the program in a copy of its globals). The observation is stdout, stderr, exit code,
+whether it timed out, and with tests how many passed; the reward is that fraction. A step
+without tests is a scratch run (no reward, episode goes on); a step with tests is the graded
+submission and ends the episode.
+
+Every step runs in a fresh child process through `Sandbox` (see sandbox.py for what each
+isolation mode gives); nothing the program does reaches this interpreter. The mode in use is in
+every observation (`isolation`) and in /health.
+
+    python -m apps.coder.interpreter --host 0.0.0.0 --port 8000   # reads MAX_CONCURRENT_ENVS
+Limits come from SANDBOX_TIMEOUT_S, SANDBOX_MEMORY_MB and SANDBOX_ISOLATION (auto|bwrap|rlimits).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Any, Optional
+
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+from pydantic import Field
+
+from apps.coder.sandbox import Limits, Sandbox
+
+MAX_CODE_CHARS = 200_000
+MAX_TESTS = 100
+
+
+class CodeAction(Action):
+    code: str = Field(max_length=MAX_CODE_CHARS, description="Python source, run as __main__")
+    tests: list[str] = Field(default_factory=list, max_length=MAX_TESTS, description="run after code")
+    timeout_s: Optional[float] = Field(None, gt=0, description="at most the server's limit")
+
+
+class CodeObservation(Observation):
+    stdout: str = ""
+    stderr: str = ""
+    exit_code: Optional[int] = Field(None, description="None if killed by the timeout; <0: signal")
+    timed_out: bool = False
+    truncated: bool = Field(False, description="output past the cap was dropped")
+    tests_passed: Optional[int] = None
+    tests_total: Optional[int] = None
+    test_errors: list[Optional[str]] = Field(default_factory=list, description="None = passed")
+    isolation: str = Field("", description="'bwrap' or 'rlimits': how this run was contained")
+    duration_s: float = 0.0
+
+
+@lru_cache(maxsize=1)
+def shared_sandbox() -> Sandbox:
+    """One Sandbox per server process: isolation is probed once, the uid pool is shared."""
+    limits = Limits(
+        timeout_s=float(os.environ.get("SANDBOX_TIMEOUT_S", 10)),
+        memory_mb=int(os.environ.get("SANDBOX_MEMORY_MB", 1024)),
+    )
+    return Sandbox(limits, isolation=os.environ.get("SANDBOX_ISOLATION", "auto"))
+
+
+class CodeInterpreterEnvironment(Environment[CodeAction, CodeObservation, State]):
+    """Stateless between steps (each run starts from nothing), so sessions may run concurrently."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sandbox = shared_sandbox()
+        self._state = State()
+
+    @classmethod
+    def health_info(cls) -> dict[str, Any]:
+        sandbox = shared_sandbox()
+        return {"isolation": sandbox.isolation, "timeout_s": sandbox.limits.timeout_s}
+
+    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None, **kwargs: Any) -> CodeObservation:
+        self._state = State(episode_id=episode_id)
+        return CodeObservation(isolation=self._sandbox.isolation)
+
+    def step(self, action: CodeAction, timeout_s: Optional[float] = None, **kwargs: Any) -> CodeObservation:
+        result = self._sandbox.run(action.code, action.tests, timeout_s=action.timeout_s)
+        self._state.step_count += 1
+        graded = result.tests_total is not None
+        return CodeObservation(
+            stdout=result.stdout,
+            stderr=result.stderr,
+            exit_code=result.exit_code,
+            timed_out=result.timed_out,
+            truncated=result.truncated,
+            tests_passed=result.tests_passed,
+            tests_total=result.tests_total,
+            test_errors=result.test_errors,
+            isolation=self._sandbox.isolation,
+            duration_s=result.duration_s,
+            done=graded,
+            reward=result.tests_passed / result.tests_total if graded else None,
+        )
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+
+if __name__ == "__main__":
+    from forge_rl.envs import serve
+
+    serve(CodeInterpreterEnvironment)

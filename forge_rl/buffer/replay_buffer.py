@@ -1,0 +1,129 @@
+"""Replay buffer: complete groups wait here between the rollout loop and the trainer.
+
+    rollout loop --add(group)--> ReplayBuffer --sample(current_version)--> trainer.train_step
+
+The unit is the GROUP (all episodes of one prompt/seed), never a single episode: GRPO's
+advantages compare the episodes of a group, so a batch must hold whole groups. `sample`
+returns `batch_size` groups, flattened into one list of Episodes (group_id kept).
+"""
+
+from collections import OrderedDict
+
+from monarch.actor import endpoint
+
+from forge_rl.core.types import Episode
+from forge_rl.runtime.actor import ForgeActor
+
+
+class ReplayBuffer:
+    """FIFO store of whole groups, each stamped with the oldest policy version in it.
+
+    Invariants:
+    - `sample(v)` never returns a group with policy_version < v - max_policy_age; such
+      groups are evicted when seen (counted in stats()["evicted_stale"]).
+    - at most `max_groups` groups are held; `add` beyond that drops the oldest-added group
+      (counted in "evicted_overflow"). Oldest-first is also the sampling order, so the
+      groups closest to going stale are trained on first.
+    - a sampled group is removed: every group is trained on at most once (on-policy GRPO).
+    - with `filter_zero_spread`, groups whose rewards are all equal are refused at `add`
+      (DAPO dynamic sampling: their advantages are all zero, so they only dilute the
+      batch); counted in "filtered_zero_spread".
+    `sample` returns None instead of waiting when fewer than batch_size fresh groups are held.
+    """
+
+    def __init__(self, batch_size: int, max_policy_age: int, max_groups: int = 1024, filter_zero_spread: bool = False):
+        if batch_size <= 0 or max_policy_age < 0 or max_groups < batch_size:
+            raise ValueError(
+                f"ReplayBuffer needs batch_size > 0, max_policy_age >= 0, max_groups >= batch_size; "
+                f"got {batch_size}, {max_policy_age}, {max_groups}"
+            )
+        self.batch_size = batch_size
+        self.max_policy_age = max_policy_age
+        self.max_groups = max_groups
+        self.filter_zero_spread = filter_zero_spread
+        self._groups: OrderedDict[str, list[Episode]] = OrderedDict()  # insertion order = age
+        self._counts = dict(added=0, sampled=0, evicted_stale=0, evicted_overflow=0, filtered_zero_spread=0)
+
+    def add(self, group: list[Episode]) -> bool:
+        """Store one complete group; returns False when the DAPO filter refused it."""
+        if not group:
+            raise ValueError("ReplayBuffer.add: empty group")
+        group_id = group[0].group_id
+        if any(e.group_id != group_id for e in group):
+            raise ValueError(f"ReplayBuffer.add: episodes of several groups in one add ({group_id!r}, ...)")
+        if group_id in self._groups:
+            raise ValueError(f"ReplayBuffer.add: group {group_id!r} added twice; give each prompt/seed its own id")
+        if self.filter_zero_spread and len({float(e.reward) for e in group}) == 1:
+            self._counts["filtered_zero_spread"] += 1
+            return False
+        self._groups[group_id] = list(group)
+        self._counts["added"] += 1
+        while len(self._groups) > self.max_groups:
+            self._groups.popitem(last=False)
+            self._counts["evicted_overflow"] += 1
+        return True
+
+    def sample(self, current_version: int) -> list[Episode] | None:
+        """The `batch_size` oldest fresh groups as one flat list, or None if there are fewer."""
+        self._evict_stale(current_version)
+        if len(self._groups) < self.batch_size:
+            return None
+        batch = []
+        for _ in range(self.batch_size):
+            batch.extend(self._groups.popitem(last=False)[1])
+        self._counts["sampled"] += self.batch_size
+        return batch
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._counts, groups=len(self._groups), episodes=sum(map(len, self._groups.values())))
+
+    def clear(self) -> None:
+        self._groups.clear()
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def _evict_stale(self, current_version: int) -> None:
+        oldest_allowed = current_version - self.max_policy_age
+        for group_id in [g for g, eps in self._groups.items() if group_version(eps) < oldest_allowed]:
+            del self._groups[group_id]
+            self._counts["evicted_stale"] += 1
+
+
+def group_version(group: list[Episode]) -> int:
+    """A group is as old as its oldest episode, an episode as its oldest sampled token (partial
+    rollouts mix versions within one answer)."""
+    return min(e.policy_version for e in group)
+
+
+class ReplayBufferActor(ForgeActor):
+    """The buffer as a Monarch actor on its own proc, so rollout workers and the trainer
+    loop can reach it from anywhere; one instance, every endpoint returns immediately."""
+
+    def __init__(self, batch_size: int, max_policy_age: int, max_groups: int = 1024, filter_zero_spread: bool = False):
+        super().__init__()
+        self.buffer = ReplayBuffer(batch_size, max_policy_age, max_groups, filter_zero_spread)
+
+    @endpoint
+    async def add(self, group: list[Episode]) -> bool:
+        """Rollout workers: store one complete group (False if filtered)."""
+        return self.buffer.add(group)
+
+    @endpoint
+    async def add_groups(self, groups: list[list[Episode]]) -> list[bool]:
+        """Training loop (synchronous): store a round's groups in one message, in the order given, so
+        that which of them make the batch does not depend on how messages raced."""
+        return [self.buffer.add(group) for group in groups]
+
+    @endpoint
+    async def sample(self, current_version: int) -> list[Episode] | None:
+        """Training loop: a batch of whole groups, or None (never waits)."""
+        return self.buffer.sample(current_version)
+
+    @endpoint
+    async def stats(self) -> dict[str, int]:
+        return self.buffer.stats()
+
+    @endpoint
+    async def clear(self) -> None:
+        self.buffer.clear()

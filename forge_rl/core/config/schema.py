@@ -1,0 +1,315 @@
+"""The config's schema: one dataclass per section, each with `check` stating which values are possible.
+
+Defaults are those of configs/blackjack_tiny_cpu.yaml (the embedded default), so a minimal YAML trains as
+`make train` does; the comments in configs/*.yaml explain each key to users.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+class ConfigError(ValueError):
+    """Bad configuration; the message is one line naming the key, the file and what was expected."""
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # HF id or directory, FILE.gguf or package:MODULE (forge_rl/models/); None: the tiny model
+    tiny_seed: int = 0  # seed of the tiny model built when path is None
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclass
+class EnvConfig:
+    url: Optional[str] = None  # a running OpenEnv server, e.g. http://blackjack:8000
+    server: Optional[str] = None  # or "module:Class" to launch on loopback for local runs
+    # Most sessions the run holds open at once (its pool), and what a launched server accepts (MAX_CONCURRENT_ENVS);
+    # against env.url it is lowered to what the server's /health reports (max_concurrent_envs).
+    max_concurrent: int = 256
+    timeout_s: float = 30.0  # per call to the environment
+    reset_args: dict = field(default_factory=dict)  # passed to every reset besides the seed, e.g. {task_set: synth}
+
+    def check(self, key):
+        if (self.url is None) == (self.server is None):
+            raise ConfigError(f"{key}: set exactly one of env.url or env.server")
+        _positive(self, key, "max_concurrent", "timeout_s")
+        _mapping(self, key, "reset_args")
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0  # the trainer and reference score logits / temperature too
+    top_p: float = 1.0  # only 1.0: the trainer cannot mirror top-p truncation
+    max_tokens: int = 4  # per turn
+    constrained: bool = True  # sample exactly one of the app's answer tokens per turn (trainer mirrors it)
+
+    def check(self, key):
+        """The one rule that keeps behaviour and trained log-probs of the same distribution: the
+        generator returns the log-probs of what it sampled from, and the trainer and reference
+        reproduce that distribution (engines/titan/model.py `sampling_logits`) only for what it can mirror."""
+        _positive(self, key, "max_tokens", "temperature")
+        if self.top_p != 1.0:
+            raise ConfigError(
+                f"{key}.top_p: expected 1.0, got {self.top_p} (the trainer scores the whole distribution, so "
+                "truncated sampling would skew the PPO ratio; lower sampling.temperature instead)"
+            )
+
+
+@dataclass
+class ISCorrectionConfig:
+    """Importance-sampling correction of the loss (core/loss.py `is_weights`; docs/off_policy.md)."""
+
+    level: Literal["off", "token", "seq", "geo"] = "off"
+    mode: Literal["mask", "clip", "trunc"] = "mask"
+    threshold: list = field(default_factory=lambda: [0.5, 2.0])  # [low, high] band of the ratio's gate
+
+    def check(self, key):
+        t = self.threshold
+        if not (
+            isinstance(t, list) and len(t) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in t)
+        ):
+            raise ConfigError(f"{key}.threshold: expected [low, high], two numbers, got {t!r}")
+        self.threshold = [float(x) for x in t]
+        if not 0 <= t[0] <= 1 <= t[1] or t[0] == t[1]:
+            raise ConfigError(f"{key}.threshold: expected 0 <= low <= 1 <= high and low < high, got {t}")
+        if self.level in ("seq", "geo") and self.mode != "mask":
+            raise ConfigError(
+                f"{key}: level {self.level} with mode {self.mode} makes no sense (a sequence's ratio is no "
+                "token's importance weight); use mode mask, or level token"
+            )
+
+
+@dataclass
+class SelfImitationConfig:
+    """Self-imitation (Oh et al. 2018; forge_rl/recipes/grpo/self_imitation.py): each group's best episode, when it beats
+    the group's mean, joins a pool, and every train step also maximises the likelihood of `episodes` of them."""
+
+    episodes: int = 0  # pool episodes replayed per train step; 0: off
+    coef: float = 1.0  # weight of their mean token NLL beside the GRPO loss
+    capacity: int = 4096  # the most recent best episodes kept
+
+    def check(self, key):
+        _non_negative(self, key, "episodes", "coef")
+        _positive(self, key, "capacity")
+
+
+@dataclass
+class GRPOConfig:
+    group_size: int = 4  # games per group, dealt from the same seed
+    batch_size: int = 64  # groups per train step
+    max_policy_age: int = 1  # drop data sampled more than this many versions ago
+    normalize_std: bool = False  # False: Dr.GRPO advantages (no division by the group std)
+    # Divide by the group's mean reward instead (rewards >= 0): the gradient of log pass rate; each group
+    # that found a pass weighs as one labelled example (loss.group_advantages)
+    normalize_mean: bool = False
+    clip_low: float = 0.2  # PPO clip, ratio >= 1 - clip_low
+    clip_high: float = 0.28  # DAPO clip-higher, ratio <= 1 + clip_high
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    entropy_coef: float = 0.3
+    # The bonus acts only while the mean entropy per trained token is below this floor (None: always).
+    entropy_floor: Optional[float] = None
+    filter_zero_spread: bool = False  # DAPO dynamic sampling: skip groups whose rewards are all equal
+    max_token_age: Optional[int] = None  # drop from the loss tokens sampled more than this many versions ago
+    is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
+    self_imitation: SelfImitationConfig = field(default_factory=SelfImitationConfig)
+
+    def check(self, key):
+        if self.group_size < 2:
+            raise ConfigError(f"{key}.group_size: expected >= 2 (advantages compare a group), got {self.group_size}")
+        _positive(self, key, "batch_size")
+        _non_negative(self, key, "max_policy_age", "clip_low", "clip_high", "kl_coef", "entropy_coef")
+        if self.normalize_std and self.normalize_mean:
+            raise ConfigError(f"{key}.normalize_mean: divides by the group's mean instead of its std; set normalize_std false")
+        if self.clip_low >= 1:
+            raise ConfigError(f"{key}.clip_low: expected < 1 (the ratio is clipped below at 1 - clip_low), got {self.clip_low}")
+        if self.max_token_age is not None:
+            _non_negative(self, key, "max_token_age")
+        if self.entropy_floor is not None and self.entropy_floor <= 0:
+            raise ConfigError(f"{key}.entropy_floor: expected > 0 nats, or null for a bonus that always acts, got {self.entropy_floor}")
+        if self.entropy_floor is not None and self.entropy_coef == 0:
+            raise ConfigError(f"{key}.entropy_floor: {self.entropy_floor} holds the entropy up with the bonus, but entropy_coef is 0: set entropy_coef > 0")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    max_grad_norm: float = 1.0
+
+    def check(self, key):
+        _positive(self, key, "lr", "max_grad_norm")
+        _non_negative(self, key, "weight_decay", "warmup_steps")
+
+
+@dataclass
+class TrainerConfig:
+    procs: int = 1  # ranks per host; > 1 in all shards with FSDP2
+    hosts: int = 1  # hosts the trainer mesh spans (cluster.workers or cluster.kubernetes)
+    micro_batch_size: int = 256  # sequences per forward/backward on one rank (memory vs speed)
+    max_steps: int = 200
+    checkpoint_every: int = 25  # steps; 0 disables (the last step is checkpointed too)
+    timeout_s: float = 3600.0  # per call to the trainer (train step, weights push, checkpoint)
+    restart_on_failure: bool = False  # the trainer's processes died: start again from the last checkpoint
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+    def check(self, key):
+        _positive(self, key, "procs", "hosts", "micro_batch_size", "max_steps", "timeout_s")
+        _non_negative(self, key, "checkpoint_every")
+
+
+@dataclass
+class GeneratorConfig:
+    num_replicas: int = 1
+    procs: int = 1  # tensor-parallel ranks per replica (on one host)
+    hosts: int = 1  # hosts the replicas are spread over: replica i runs on host i % hosts
+    max_model_len: int = 512
+    gpu_memory_utilization: float = 0.05  # on CPU: share of host memory for the KV cache
+    weight_sync: Literal["auto", "shm", "broadcast", "store"] = "auto"  # how weights travel (forge_rl/weights/)
+    partial_rollouts: bool = False  # True: a weight update pauses running requests, false: waits for them
+
+    def check(self, key):
+        _positive(self, key, "num_replicas", "procs", "hosts", "max_model_len")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"{key}.gpu_memory_utilization: expected in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class ReferenceConfig:
+    num_replicas: int = 1
+    hosts: int = 1  # hosts the replicas are spread over: replica i runs on host i % hosts
+
+    def check(self, key):
+        _positive(self, key, "num_replicas", "hosts")
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = 64  # concurrent game-playing tasks on the controller
+    max_turns: int = 8  # decisions per game before it is cut off
+    invalid_action_penalty: float = 1.0  # a game ended by an unparseable answer scores -penalty
+
+    def check(self, key):
+        _positive(self, key, "num_workers", "max_turns")
+        _non_negative(self, key, "invalid_action_penalty")
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 25  # train steps between evaluations; 0 disables
+    num_games: int = 10_000  # fixed seeded deals, greedy decoding
+    seed: int = 1_000_000  # first seed of the evaluation deals (disjoint from training seeds)
+    reset_args: dict = field(default_factory=dict)  # over env.reset_args for evaluation, e.g. {split: eval}
+
+    def check(self, key):
+        _non_negative(self, key, "interval")
+        _positive(self, key, "num_games")
+        _mapping(self, key, "reset_args")
+
+
+@dataclass
+class KubernetesConfig:
+    namespace: str = "forge-rl"  # where the worker pods of k8s/ run
+    timeout_s: int = 600  # wait this long for every role's worker pods to be Ready
+
+    def check(self, key):
+        _positive(self, key, "timeout_s")
+
+
+@dataclass
+class ClusterConfig:
+    """Where the trainer, generator and reference run (docs/multihost.md). Neither key set: this host only."""
+
+    workers: list[str] = field(default_factory=list)  # tcp://host:port of `python -m forge_rl.worker` processes
+    kubernetes: Optional[KubernetesConfig] = None  # or worker pods found by monarch.job.kubernetes.KubernetesJob
+    # Monarch's TcpWithHostname / TcpWithLocalhost; auto: hostname, unless this host's name is loopback only
+    transport: Literal["auto", "hostname", "localhost"] = "auto"
+
+    @property
+    def mode(self) -> str:
+        return "workers" if self.workers else "kubernetes" if self.kubernetes else "local"
+
+    def check(self, key):
+        if self.workers and self.kubernetes:
+            raise ConfigError(f"{key}: set cluster.workers or cluster.kubernetes, not both")
+        for worker in self.workers:
+            if not re.fullmatch(r"tcp://[^:/\s]+:\d+", worker):
+                raise ConfigError(f"{key}.workers: {worker!r} is not of the form tcp://host:port")
+        if len(set(self.workers)) != len(self.workers):
+            raise ConfigError(f"{key}.workers: a worker is listed twice")
+
+
+@dataclass
+class ChatConfig:
+    """The reverse chat server (forge_rl/rollout/chat_server.py) that chat-agent apps (`run_agent`) talk to."""
+
+    model_name: str = "policy"  # the model name requests must ask for (GET /v1/models lists it)
+    tool_parser: Optional[str] = None  # vLLM tool parser for the model's tool-call format (hermes, pythonic, ...)
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    agent_timeout_s: float = 300.0  # one agent run (run_agent) before it is cancelled
+
+    def check(self, key):
+        _positive(self, key, "agent_timeout_s")
+        _non_negative(self, key, "port")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    wandb_project: Optional[str] = None  # set to log to Weights & Biases
+
+
+@dataclass
+class RunConfig:
+    env: EnvConfig
+    # The module with the environment's three plain functions (render_prompt, parse_action, reward)
+    # and, for constrained decoding, ACTIONS: the legal answers.
+    app_module: str = "apps.blackjack.task"
+    run_dir: str = "runs/default"
+    seed: int = 0
+    resume: bool = False
+    synchronous: bool = True  # generate a batch with the current weights, then train on it (on-policy, no overlap)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    chat: ChatConfig = field(default_factory=ChatConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def check(self, key):
+        roles = {"trainer": self.trainer.hosts, "generator": self.generator.hosts, "reference": self.reference.hosts}
+        for role, hosts in roles.items():
+            if hosts > 1 and self.cluster.mode == "local":
+                raise ConfigError(f"{role}.hosts: {hosts} hosts need cluster.workers or cluster.kubernetes")
+            if self.cluster.workers and hosts > len(self.cluster.workers):
+                raise ConfigError(f"{role}.hosts: {hosts}, but cluster.workers lists {len(self.cluster.workers)}")
+
+
+def _positive(section, key, *names):
+    for name in names:
+        if getattr(section, name) <= 0:
+            raise ConfigError(f"{key}.{name}: expected > 0, got {getattr(section, name)}")
+
+
+def _mapping(section, key, name):
+    value = getattr(section, name)
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"{key}.{name}: expected a mapping of argument names to values, got {value!r}")
+
+
+def _non_negative(section, key, *names):
+    for name in names:
+        if getattr(section, name) < 0:
+            raise ConfigError(f"{key}.{name}: expected >= 0, got {getattr(section, name)}")

@@ -1,0 +1,271 @@
+"""GRPO loss as small functions over plain tensors.
+
+Shapes: B sequences, T token positions (already shifted so that position t holds the
+log-prob of token t given the tokens before it), V vocabulary. Nothing here knows about
+episodes, buffers or actors; the trainer turns a batch of episodes into these tensors.
+
+The policy-gradient term is PPO's clipped surrogate with the ratio taken against the
+BEHAVIOUR log-probs (what the generator returned when it sampled). Taking it against a
+detached copy of the current log-probs makes the ratio identically 1 and silently turns
+clipping off (TorchForge's GRPO loss does that).
+
+With an importance-sampling correction on (`is_level` not "off", see `is_weights`), the
+ratio is instead taken against the trainer's own log-probs at this step (detached, so it is 1
+and only carries the gradient) and each token is weighted by a gate on the trainer/behaviour
+ratio: the behaviour policy may be a mix of versions (partial rollouts) and of numerics.
+
+Deliberately not here: value functions / GAE (GRPO has no critic) and token-level
+advantages from a reward model.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from forge_rl.core.config import GRPOConfig
+
+# ---------------------------------------------------------------------------- advantage
+
+
+def group_advantages(
+    rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6, normalize_mean: bool = False
+) -> torch.Tensor:
+    """Advantages of the G episodes of one group (same prompt): reward minus group mean.
+
+    rewards [G] -> advantages [G]. With normalize_std the centred rewards are divided by
+    the group's population std (GRPO); Dr.GRPO (Liu et al. 2025) drops that division
+    because it over-weights groups whose rewards barely differ. A group whose rewards are
+    all equal gets zero advantages either way.
+
+    With normalize_mean (rewards >= 0, e.g. pass/fail) they are divided by the group's mean
+    instead: the estimate of the gradient of log(expected reward) rather than of the expected
+    reward (maximum-likelihood RL). With 0/1 rewards and k of G passing, each pass gets
+    (G - k) / k and each failure -1: every group that found a pass weighs as one labelled
+    example, however likely the policy already made it, so answers the policy already favours
+    do not gather more of the update (plain GRPO gives a group weight G q (1 - q), q = k / G).
+    A group whose mean is <= 0 gets zero advantages.
+    """
+    rewards = rewards.float()
+    mean = rewards.mean()
+    centred = rewards - mean  # [G]
+    if normalize_mean:
+        return centred / mean if mean > eps else torch.zeros_like(centred)
+    if normalize_std:
+        centred = centred / (rewards.std(correction=0) + eps)
+    return centred
+
+
+def rollout_advantages(
+    rewards: torch.Tensor, rollout_index: torch.Tensor, normalize_std: bool = True, normalize_mean: bool = False
+) -> torch.Tensor:
+    """Advantages of one group's episodes when a rollout may span several (the sealed segments of a
+    chat-agent rollout): each rollout counts once in the group's mean and std, and every episode gets
+    its rollout's advantage. rewards [N], rollout_index [N] (0..R-1, equal for one rollout) -> [N]."""
+    per_rollout = torch.zeros(int(rollout_index.max()) + 1).scatter(0, rollout_index, rewards.float())  # [R]
+    return group_advantages(per_rollout, normalize_std, normalize_mean=normalize_mean)[rollout_index]
+
+
+# ---------------------------------------------------------------------------- per token
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(targets) under logits: logits [B, T, V], targets [B, T] -> [B, T] (fp32)."""
+    logp = F.log_softmax(logits.float(), dim=-1)  # [B, T, V]
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of each position's next-token distribution: logits [B, T, V] -> [B, T]."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+# KL(policy || reference) estimated from tokens the policy sampled (Schulman, "Approximating
+# KL divergence", 2020). With log_r = ref - policy: k1 = -log_r is unbiased but can go
+# negative; k2 = log_r^2 / 2 is biased but low-variance; k3 = e^log_r - 1 - log_r is
+# unbiased and always >= 0 (the one GRPO uses).
+KL_ESTIMATORS = {
+    "k1": lambda log_r: -log_r,
+    "k2": lambda log_r: 0.5 * log_r**2,
+    "k3": lambda log_r: torch.expm1(log_r) - log_r,
+}
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token KL estimate to the reference: [B, T], [B, T] -> [B, T]."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator {estimator!r}; choose one of {sorted(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[estimator](ref_logprobs - logprobs)
+
+
+# ---------------------------------------------------------------------------- aggregation
+# How per-token losses [B, T] become one number. `denominator` lets the caller normalise
+# by the WHOLE batch (all micro-batches, all data-parallel ranks) so that summing the
+# pieces' gradients gives exactly the gradient of the whole batch; default: this piece.
+
+
+def token_mean(per_token: torch.Tensor, mask: torch.Tensor, denominator: float | None = None) -> torch.Tensor:
+    """Every trained token of the batch weighs the same (DAPO): long answers count more."""
+    mask = mask.to(per_token.dtype)
+    denominator = mask.sum().clamp(min=1) if denominator is None else denominator
+    return (per_token * mask).sum() / denominator
+
+
+def seq_mean(per_token: torch.Tensor, mask: torch.Tensor, denominator: float | None = None) -> torch.Tensor:
+    """Mean over each sequence's tokens, then over sequences (original GRPO)."""
+    mask = mask.to(per_token.dtype)
+    per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
+    denominator = (mask.sum(-1) > 0).sum().clamp(min=1) if denominator is None else denominator
+    return per_seq.sum() / denominator
+
+
+AGGREGATIONS = {"token_mean": token_mean, "seq_mean": seq_mean}
+
+
+# ---------------------------------------------------------------------------- IS correction
+# Levels: the ratio r = pi_trainer / pi_behaviour of each token, of the whole sequence (product),
+# or its geometric mean over the sequence (the per-token average, comparable across lengths).
+# Modes: mask keeps a token (weight 1) when r is within [low, high] and removes it (weight 0)
+# otherwise (rejection, as MIS/IcePop); clip weighs it by r clamped to [low, high]; trunc by
+# min(r, high) (TIS). A sequence or geometric ratio is no importance weight of a token, so it
+# only masks.
+IS_LEVELS = ("off", "token", "seq", "geo")
+IS_MODES = ("mask", "clip", "trunc")
+
+
+def is_weights(
+    log_ratio: torch.Tensor,  # [B, T] trainer minus behaviour log-prob of each sampled token (detached)
+    mask: torch.Tensor,  # [B, T] 1 where the policy sampled the token
+    level: str,
+    mode: str,
+    low: float,
+    high: float,
+) -> torch.Tensor:
+    """Per-token weights [B, T] of the importance-sampling correction; 0 off the mask."""
+    if level not in IS_LEVELS[1:] or mode not in IS_MODES:
+        raise ValueError(f"is_correction: level {level!r} mode {mode!r}; levels {IS_LEVELS[1:]}, modes {IS_MODES}")
+    if level != "token" and mode != "mask":
+        raise ValueError(f"is_correction: level {level!r} only masks (mode 'mask'), got mode {mode!r}")
+    mask = mask.bool()
+    log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
+    if level == "token":
+        log_r = log_ratio  # [B, T]
+    else:
+        log_r = log_ratio.sum(-1, keepdim=True)  # [B, 1]
+        if level == "geo":
+            log_r = log_r / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_r = log_r.expand_as(log_ratio)
+    # Compared in log space: a sequence's ratio overflows exp long before its log does.
+    if mode == "mask":
+        weights = ((log_r >= math.log(low) if low > 0 else True) & (log_r <= math.log(high))).to(log_ratio.dtype)
+        weights = weights.expand_as(log_ratio)
+    elif mode == "clip":
+        weights = log_r.exp().clamp(low, high)
+    else:
+        weights = log_r.exp().clamp(max=high)
+    return weights * mask
+
+
+# ---------------------------------------------------------------------------- the loss
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,  # [B, T] current policy log-probs of the sampled tokens (with grad)
+    behaviour_logprobs: torch.Tensor,  # [B, T] log-probs the generator sampled them with
+    advantages: torch.Tensor,  # [B] one per sequence, or [B, T] per token
+    mask: torch.Tensor,  # [B, T] 1 where the policy sampled the token, 0 elsewhere
+    config: GRPOConfig,  # clip_low/high, kl_coef/estimator, loss_agg, entropy_coef
+    ref_logprobs: torch.Tensor | None = None,  # [B, T] reference log-probs; needed if kl_coef
+    logits: torch.Tensor | None = None,  # [B, T, V] only for the entropy bonus / metric
+    denominator: float | None = None,  # see AGGREGATIONS; None: normalise by this batch
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped-ratio policy loss + KL + entropy bonus, aggregated over masked tokens.
+
+    Returns (loss, metrics). Metrics are means over masked tokens (detached scalars) plus
+    ratio min/max and `num_tokens`, so a caller can weight pieces of a batch together.
+    Tokens outside `mask` get exactly zero gradient: every per-token term is multiplied
+    by the mask before the sum, and masked positions never reach the exp of the ratio.
+    """
+    mask = mask.bool()
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logprobs)  # [B, T]
+    # Zero the log-ratio off-mask so padding (where behaviour log-probs are 0 and the
+    # current ones are arbitrary) cannot produce inf * 0 = nan in the gradient.
+    log_ratio = torch.where(mask, logprobs - behaviour_logprobs, torch.zeros_like(logprobs))
+    weights = None  # [B, T] importance-sampling correction
+    correction = config.is_correction
+    if correction.level != "off":
+        with torch.no_grad():
+            weights = is_weights(log_ratio, mask, correction.level, correction.mode, *correction.threshold)
+        is_ratio = torch.exp(log_ratio.detach())  # trainer / behaviour, for the metrics
+        log_ratio = torch.where(mask, logprobs - logprobs.detach(), torch.zeros_like(logprobs))
+    ratio = torch.exp(log_ratio)  # [B, T]
+    clipped = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
+    per_token = -torch.minimum(ratio * advantages, clipped * advantages)  # [B, T]
+    if weights is not None:
+        per_token = weights * per_token
+
+    kl = None
+    if config.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("loss.kl_coef > 0 needs reference log-probs (start a ReferenceModel)")
+        ref = torch.where(mask, ref_logprobs, logprobs.detach())
+        kl = kl_penalty(logprobs, ref, config.kl_estimator)  # [B, T]
+        per_token = per_token + config.kl_coef * kl
+
+    entropy = None  # [B, T]
+    if config.entropy_coef > 0:
+        if logits is None:
+            raise ValueError("loss.entropy_coef > 0 needs the logits")
+        entropy = token_entropy(logits)
+        bonus = config.entropy_coef * entropy  # [B, T]
+        if config.entropy_floor is not None:
+            # An entropy floor: the bonus acts only while this batch's mean entropy per trained token is
+            # below it, so exploration is kept without the steady pull toward uniform that a bonus always on
+            # exerts (with Adam even a small one moves the weights at full step size on steps where every
+            # group's rewards are equal, so rare successes are undone). As Skywork-OR1's adaptive entropy
+            # control, whose coefficient acts only below its target entropy; this one is on or off, no state.
+            below = (entropy * mask).sum() / mask.sum().clamp(min=1) < config.entropy_floor
+            bonus = bonus * below.detach()
+        per_token = per_token - bonus
+    elif logits is not None:
+        with torch.no_grad():  # a metric only: no [B, T, V] graph kept for it
+            entropy = token_entropy(logits)
+
+    loss = AGGREGATIONS[config.loss_agg](per_token, mask, denominator)
+
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        behaviour_log_ratio = torch.where(mask, logprobs - behaviour_logprobs, torch.zeros_like(logprobs))
+        # With a correction the PPO ratio is 1: the ratio metrics then say how far the trainer is
+        # from the behaviour policy instead.
+        shown = is_ratio if weights is not None else ratio
+        r = shown[mask]
+
+        def masked_mean(x):
+            return (x * mask).sum() / n
+
+        metrics = {
+            "num_tokens": mask.sum().float(),
+            "ratio_mean": masked_mean(shown),
+            "ratio_min": r.min() if r.numel() else torch.tensor(1.0),
+            "ratio_max": r.max() if r.numel() else torch.tensor(1.0),
+            # Clipping is active (gradient zero) when the ratio left the band in the
+            # direction the advantage pushes it.
+            "clip_fraction_low": masked_mean(((ratio < 1 - config.clip_low) & (advantages < 0)).float()),
+            "clip_fraction_high": masked_mean(((ratio > 1 + config.clip_high) & (advantages > 0)).float()),
+            "advantage_mean": masked_mean(advantages),
+        }
+        metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
+        # KL(behaviour || trainer) from the tokens behaviour sampled (k3, see KL_ESTIMATORS).
+        metrics["behaviour_kl"] = masked_mean(KL_ESTIMATORS["k3"](behaviour_log_ratio))
+        if weights is not None:
+            metrics["is_masked_fraction"] = masked_mean((weights == 0).float())
+        if kl is not None:
+            metrics["kl"] = masked_mean(kl)
+        elif ref_logprobs is not None:
+            metrics["kl"] = masked_mean(kl_penalty(logprobs, torch.where(mask, ref_logprobs, logprobs), config.kl_estimator))
+        if entropy is not None:
+            metrics["entropy"] = masked_mean(entropy)
+    return loss, {k: v.detach().float() for k, v in metrics.items()}

@@ -1,0 +1,345 @@
+"""The policy as a TorchTitan model: built from a Hugging Face directory, HF weights in and out.
+
+Trainer and ReferenceModel both build their model here, from the same HF safetensors directory
+the generator loads, so all three start from identical weights. Adding a model family means
+adding one line to MODEL_FAMILIES (and, if its config keys differ, one `*_args` function).
+
+Also here, because trainer and reference share them: torch.distributed start-up from the
+environment the provisioner sets, FSDP2 sharding, and the batch layout (right-padded token
+ids, position t of every [B, T] tensor is about token t).
+"""
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torchtitan.models.llama3 import Transformer as Llama3Model
+from torchtitan.models.llama3 import TransformerModelArgs as Llama3ModelArgs
+from torchtitan.models.llama3.model.args import RoPEScalingArgs
+from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
+from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
+from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
+
+from forge_rl.compat.torch import shard_row_offset
+from forge_rl.core.loss import token_logprobs
+from forge_rl.weights.layout import fused_order
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def qwen3_args(hf: dict) -> Qwen3ModelArgs:
+    """HF Qwen3 config.json -> TorchTitan args (sdpa attention: runs on CPU and GPU alike)."""
+    if hf.get("rope_scaling"):
+        raise NotImplementedError(f"rope_scaling {hf['rope_scaling']} is not mapped to TorchTitan's Qwen3; use a model without it")
+    return Qwen3ModelArgs(
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf["num_key_value_heads"],
+        vocab_size=hf["vocab_size"],
+        head_dim=hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]),
+        hidden_dim=hf["intermediate_size"],
+        norm_eps=hf["rms_norm_eps"],
+        rope_theta=rope_theta(hf),
+        qk_norm=True,
+        max_seq_len=hf["max_position_embeddings"],
+        enable_weight_tying=hf.get("tie_word_embeddings", False),
+        attn_type="sdpa",
+    )
+
+
+def llama_args(hf: dict) -> Llama3ModelArgs:
+    """HF Llama config.json -> TorchTitan's Llama 3 args (SmolLM2, Llama 3.x).
+
+    TorchTitan's Llama always applies Llama 3.1's rope scaling; factor 1 turns it into plain rope
+    for models without it. Its feed-forward width is derived (multiple_of, ffn_dim_multiplier):
+    multiple_of = intermediate_size with a multiplier a hair under the ratio makes it exactly
+    intermediate_size. It has no weight tying: forge_rl/models/ unties GGUF models on conversion.
+    """
+    if hf.get("tie_word_embeddings", False):
+        raise NotImplementedError(
+            "TorchTitan's Llama cannot tie embeddings: give the model an lm_head.weight and tie_word_embeddings false "
+            "(forge_rl/models/ does that for GGUF models)"
+        )
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    if head_dim * hf["num_attention_heads"] != hf["hidden_size"]:
+        raise NotImplementedError(f"head_dim {head_dim} x {hf['num_attention_heads']} heads != hidden_size: not TorchTitan's Llama")
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if scaling.get("rope_type", "default") == "llama3":
+        rope_scaling = RoPEScalingArgs(
+            scaling_factor=scaling["factor"],
+            low_freq_factor=scaling["low_freq_factor"],
+            high_freq_factor=scaling["high_freq_factor"],
+            original_max_position_embeddings=scaling["original_max_position_embeddings"],
+        )
+    elif scaling.get("rope_type", "default") == "default":
+        rope_scaling = RoPEScalingArgs(scaling_factor=1.0)
+    else:
+        raise NotImplementedError(f"rope {scaling} is not mapped to TorchTitan's Llama")
+    base = int(2 * 4 * hf["hidden_size"] / 3)  # TorchTitan's FeedForward width before the multiplier
+    return Llama3ModelArgs(
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf["num_key_value_heads"],
+        vocab_size=hf["vocab_size"],
+        multiple_of=hf["intermediate_size"],
+        ffn_dim_multiplier=(hf["intermediate_size"] - 0.5) / base,
+        norm_eps=hf["rms_norm_eps"],
+        rope_theta=rope_theta(hf),
+        rope_scaling_args=rope_scaling,
+        max_seq_len=hf["max_position_embeddings"],
+        attn_type="sdpa",
+    )
+
+
+def rope_theta(hf: dict) -> float:
+    """transformers 5 writes rope_theta inside rope_parameters; older configs at the top level."""
+    return hf["rope_theta"] if "rope_theta" in hf else hf["rope_parameters"]["rope_theta"]
+
+
+# HF `model_type` -> (config.json -> model args, TorchTitan model class, HF <-> TorchTitan adapter).
+MODEL_FAMILIES = {
+    "qwen3": (qwen3_args, Qwen3Model, Qwen3StateDictAdapter),
+    "llama": (llama_args, Llama3Model, Llama3StateDictAdapter),
+}
+
+
+# ---------------------------------------------------------------------------- process set-up
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join the mesh's process group (gloo on CPU, NCCL on GPU) from the env the provisioner set.
+
+    Returns (rank, world_size, device). Without MASTER_ADDR (a plain process) runs alone.
+    """
+    use_gpu = torch.cuda.is_available()
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_gpu else torch.device("cpu")
+    if use_gpu:
+        torch.cuda.set_device(device)
+    if "MASTER_ADDR" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_gpu else "gloo", rank=rank, world_size=world, device_id=device if use_gpu else None)
+    return rank, world, device
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+def build_model(hf_dir: str | Path, device: torch.device, dtype: str = "float32", shard: bool | None = None):
+    """TorchTitan model holding the HF checkpoint's weights; returns (model, adapter).
+
+    Built on the meta device, sharded with FSDP2 over all ranks when there is more than one
+    (`shard` overrides), then materialised and filled from the HF safetensors. Parameters stay
+    fp32 (the optimizer's master copy); `dtype` is the compute dtype: FSDP's mixed precision
+    when sharded, autocast otherwise (see `autocast`).
+    """
+    hf_dir = Path(hf_dir)
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    family = hf_config.get("model_type")
+    if family not in MODEL_FAMILIES:
+        raise ValueError(f"{hf_dir}: model_type {family!r} not supported; add it to MODEL_FAMILIES ({sorted(MODEL_FAMILIES)})")
+    make_args, model_cls, adapter_cls = MODEL_FAMILIES[family]
+    args = make_args(hf_config)
+    with torch.device("meta"):
+        model = model_cls(args)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if shard if shard is not None else world > 1:
+        shard_model(model, init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",)), dtype)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)  # recomputes the rope cache; weights overwritten below
+    adapter = adapter_cls(args, str(hf_dir))
+    load_hf_weights(model, adapter, hf_dir)
+    return model, adapter
+
+
+def shard_model(model: torch.nn.Module, mesh, dtype: str) -> None:
+    """FSDP2 the way TorchTitan wraps a decoder: each block, then the root.
+
+    Not TorchTitan's apply_fsdp itself: it puts the embeddings and the output head in separate
+    FSDP groups, which FSDP refuses when they are tied (Qwen3 0.6B-4B). Here both stay in the
+    root group. Gradients are summed over ranks, not averaged: the loss is already normalised
+    by the global batch (loss.py `denominator`), as in TorchTitan.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            if mesh.device_type == "cpu":  # gloo has no PREMUL_SUM, which FSDP uses for that factor
+                module.set_force_sum_reduction_for_comms(True)
+
+
+def load_hf_weights(model: torch.nn.Module, adapter, hf_dir: Path) -> None:
+    """Every rank reads the full HF checkpoint; set_model_state_dict keeps each rank's shard."""
+    hf_state = {}
+    for file in sorted(Path(hf_dir).glob("*.safetensors")):
+        hf_state.update(load_file(str(file)))
+    if not hf_state:
+        raise FileNotFoundError(f"{hf_dir}: no *.safetensors weights found")
+    state = {k: v.float() for k, v in adapter.from_hf(hf_state).items()}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
+
+
+def hf_weights(model: torch.nn.Module, adapter, dtype: str = "float32") -> tuple[dict[str, torch.Tensor], Iterator[torch.Tensor]]:
+    """The model's weights under HF names, one tensor at a time, for the weight sync: (HF name -> a meta
+    tensor of its shape and dtype, in `fused_order`; an iterator over the tensors themselves, in that order).
+
+    Collective when sharded: every rank must exhaust the iterator. Each step casts one parameter's shard
+    to `dtype` and gathers it (`DTensor.full_tensor()`), so the caller copies it where it goes (a shared
+    memory buffer, the broadcast's) and no rank ever holds a second whole copy of the model, as
+    get_model_state_dict's full state dict is. An unsharded model gives its parameters themselves (no copy
+    in fp32), on whatever device they live."""
+    target = DTYPES[dtype]
+    shapes, sources, _ = hf_sources(model, adapter, target)
+
+    def tensors() -> Iterator[torch.Tensor]:
+        for hf_name in shapes:
+            yield gathered(adapter, *sources[hf_name], hf_name, target)
+
+    return shapes, tensors()
+
+
+def hf_weight_rows(model: torch.nn.Module, adapter, dtype: str = "float32") -> tuple[dict[str, torch.Tensor], Iterator]:
+    """`hf_weights` for a sharded trainer whose ranks all write into one shared-memory buffer: each step
+    gives (first row, tensor) for this rank to copy there. A parameter sharded by rows (FSDP2's Shard(0))
+    that HF only renames gives this rank's own rows, cast, with no communication at all; any other is
+    gathered as by `hf_weights`: (0, the whole tensor) on rank 0, (0, None) elsewhere. Collective."""
+    target = DTYPES[dtype]
+    shapes, sources, renamed = hf_sources(model, adapter, target)
+    rank = dist.get_rank()
+
+    def rows() -> Iterator[tuple[int, torch.Tensor | None]]:
+        for hf_name in shapes:
+            name, param = sources[hf_name]
+            if hf_name in renamed and isinstance(param, DTensor) and param.device_mesh.ndim == 1 and param.placements == (Shard(0),):
+                yield shard_row_offset(param), param.to_local().to(target)
+            else:
+                tensor = gathered(adapter, name, param, hf_name, target)
+                yield 0, tensor if rank == 0 else None
+
+    return shapes, rows()
+
+
+def hf_sources(model: torch.nn.Module, adapter, target: torch.dtype) -> tuple[dict, dict, set]:
+    """(HF name -> meta tensor, in `fused_order`; HF name -> (TorchTitan name, parameter); the HF names that
+    are their parameter only renamed). From `model.state_dict()`: detached, DTensor shards when sharded,
+    no communication; `adapter.to_hf` is per key, so it maps meta tensors as well."""
+    shapes, sources, renamed = {}, {}, set()
+    for name, param in model.state_dict().items():
+        meta = torch.empty(param.shape, dtype=target, device="meta")
+        for hf_name, hf_meta in adapter.to_hf({name: meta}).items():
+            sources[hf_name], shapes[hf_name] = (name, param), hf_meta
+            if hf_meta is meta:
+                renamed.add(hf_name)
+    return fused_order(shapes), sources, renamed
+
+
+def gathered(adapter, name: str, param: torch.Tensor, hf_name: str, target: torch.dtype) -> torch.Tensor:
+    """One HF tensor whole: cast (before the gather, so it moves fewer bytes), gathered when sharded, then
+    converted (renames, and Llama's q/k permutation)."""
+    param = param.to(target)
+    if isinstance(param, DTensor):
+        param = param.full_tensor()
+    return adapter.to_hf({name: param})[hf_name]
+
+
+def autocast(device: torch.device, dtype: str):
+    """Compute in `dtype` over fp32 parameters when FSDP's mixed precision is not doing it."""
+    return torch.autocast(device.type, dtype=DTYPES[dtype], enabled=dtype != "float32")
+
+
+# ---------------------------------------------------------------------------- batches
+
+
+def pad_right(rows: list[torch.Tensor], length: int, value=0) -> torch.Tensor:
+    """[T_i] tensors -> [B, length], right-padded (causal attention never looks right)."""
+    out = torch.full((len(rows), length), value, dtype=rows[0].dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
+def sampling_logits(logits: torch.Tensor, allowed_token_ids: list[int] | None, temperature: float = 1.0) -> torch.Tensor:
+    """The logits of the distribution the generator samples from, so that the trainer's and the
+    reference's log-probs and entropy are of that distribution (the generator returns processed
+    log-probs): only `allowed_token_ids` possible, as vLLM's `allowed_token_ids` sampling does, and
+    divided by the sampling temperature. Top-p/top-k truncation is not mirrored, so the config
+    refuses it (SamplingConfig.check)."""
+    if allowed_token_ids is not None:
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        keep[list(allowed_token_ids)] = True
+        logits = logits.masked_fill(~keep, -1e9)  # finite, so that 0 * log 0 terms of the entropy stay 0
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def sampling_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, allowed_token_ids: list[int] | None = None, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of `targets` under the sampling distribution of `logits` (see `sampling_logits`), and
+    that distribution's logits: logits [B, T, V], targets [B, T] -> ([B, T], [B, T, V or A]).
+
+    Constrained (`allowed_token_ids`, A of them): only the A allowed logits are kept, so the softmax,
+    the entropy and their backward cost A, not V, per position; the other ids have probability 0,
+    which is why this equals the log-softmax of `sampling_logits` over the whole vocabulary. A target
+    outside the allowed ids (a prompt position, never trained) gets the same finite -1e9 / temperature
+    - logsumexp that masking the whole vocabulary gives it.
+    """
+    if allowed_token_ids is None:
+        logits = sampling_logits(logits, None, temperature)
+        return token_logprobs(logits, targets), logits
+    allowed = torch.as_tensor(list(allowed_token_ids), device=logits.device)
+    logits = sampling_logits(logits.index_select(-1, allowed), None, temperature)  # [B, T, A]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    where = torch.full((int(allowed.max()) + 1,), -1, dtype=torch.long, device=logits.device)
+    where[allowed] = torch.arange(len(allowed), device=logits.device)
+    index = where[targets.clamp(max=len(where) - 1)]
+    index = torch.where(targets < len(where), index, -1)  # [B, T] the target's place among the allowed ids, or -1
+    lp = logp.gather(-1, index.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    outside = -1e9 / temperature - torch.logsumexp(logits.float(), dim=-1)
+    return torch.where(index >= 0, lp, outside), logits
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    with_logits: bool = False,
+    allowed_token_ids: list[int] | None = None,
+    temperature: float = 1.0,
+):
+    """Log-prob of each token given those before it: tokens [B, T] -> [B, T] (position 0: 0).
+
+    Positions are aligned with `tokens` like Episode.behaviour_logprobs, so masks and
+    behaviour log-probs index the same way. Returns (logprobs, logits [B, T-1, V] or None; [B, T-1, A]
+    over the allowed ids when constrained). Of the sampling distribution: see `sampling_logprobs`.
+    """
+    lp, logits = sampling_logprobs(model(tokens[:, :-1]), tokens[:, 1:], allowed_token_ids, temperature)  # position t predicts t+1
+    lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)  # [B, T]
+    return lp, (logits if with_logits else None)
+
+
+@torch.no_grad()
+def logprobs_of(
+    model, token_ids: list[torch.Tensor], device, dtype: str, micro_batch_size: int = 8, allowed_token_ids=None,
+    temperature: float = 1.0,
+) -> list[torch.Tensor]:
+    """Per-token log-probs [T_i] (fp32, CPU) of each 1-D id tensor, in micro-batches."""
+    out = []
+    for start in range(0, len(token_ids), micro_batch_size):
+        rows = token_ids[start : start + micro_batch_size]
+        tokens = pad_right([torch.as_tensor(r) for r in rows], max(len(r) for r in rows)).to(device)
+        with autocast(device, dtype):
+            lp, _ = sequence_logprobs(model, tokens, allowed_token_ids=allowed_token_ids, temperature=temperature)
+        out.extend(lp[i, : len(r)].float().cpu() for i, r in enumerate(rows))
+    return out

@@ -1,0 +1,322 @@
+"""Trainer: a TorchTitan training engine, one Monarch actor mesh (FSDP2 over its ranks). It knows no algorithm:
+the loss function it is given (core/objective.py for GRPO) turns each micro-batch's log-probs into a loss.
+
+    recipe --episodes--> train_step --> push_weights(v) --Publisher--> generators (forge_rl/weights/)
+
+What it consumes: a flat list of Episodes (whole groups), optionally reference log-probs, and
+episodes to imitate (a negative log-likelihood term). What it produces: one optimizer step per call and a
+metrics dict; on push_weights, HF-named weights sent by the transport the run planned, with the version's
+handle in TorchStore. It never waits for data: the training loop calls it when a batch exists.
+
+Deliberately not here: sequence packing (sdpa has no block-causal mask; episodes are right-padded per
+micro-batch instead), tensor/pipeline parallelism, activation checkpointing, torch.compile.
+"""
+
+import asyncio
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from monarch.actor import endpoint
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.config import LRScheduler as TitanLRSchedulerConfig
+from torchtitan.config import Optimizer as TitanOptimizerConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.utils import clip_grad_norm_
+
+from forge_rl.compat.torch import set_scheduler_lr
+from forge_rl.core.config import OptimizerConfig
+from forge_rl.core.types import Episode
+from forge_rl.engines.titan.model import (
+    autocast,
+    build_model,
+    hf_weight_rows,
+    hf_weights,
+    init_distributed,
+    logprobs_of,
+    pad_right,
+    sequence_logprobs,
+)
+from forge_rl.runtime.actor import ForgeActor
+from forge_rl.weights import make_publisher
+from forge_rl.weights.shm import drain
+
+
+def reduction(name: str) -> str:
+    """How a loss metric combines across micro-batches and ranks: "min" for names like `ratio_min` or
+    `ratio_min/age_0`, "max" likewise, else a mean weighted by the piece's `num_tokens`."""
+    head = name.split("/")[0]
+    return "min" if head.endswith("_min") else "max" if head.endswith("_max") else "mean"
+
+
+class Trainer(ForgeActor):
+    """The policy being trained: model, AdamW, LR schedule, step counter, last pushed version.
+
+    Lifecycle: constructed with config only; `setup` (all ranks) joins the process group, builds the model
+    from the HF directory, the optimizer and the weights publisher; then any sequence of train_step /
+    push_weights / logprobs / save_checkpoint / load_checkpoint, each called on ALL ranks.
+    Invariant: every rank holds the same step count and applies the same update (each rank gets the whole
+    batch, trains on its slice, FSDP sums the gradients).
+
+    The loss function (core/objective.py `GRPOLoss` is one): `advantages(episodes) -> [B]`;
+    `prepare(tensors) -> denominator`, on the whole batch before its micro-batches; and
+    `loss_fn(logprobs [B, T], piece, logits, denominator) -> (loss, metrics)` per micro-batch, where `piece`
+    holds "behaviour", "mask" (weighted), "ages", "ref" (when given) as [B, T] and "advantages" [B], and the
+    pieces' gradients add up to the batch's. Its metrics must include `num_tokens` (see `reduction` for the
+    others); `imitation_coef` weighs the NLL of the episodes to imitate.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        loss_fn=None,  # None: a trainer that only serves log-probs and weights (train_step refuses)
+        optimizer: OptimizerConfig = OptimizerConfig(),
+        max_steps: int = 100,  # LR schedule length: cosine/linear decay reach 0 here (and cosine rises after)
+        dtype: str = "float32",  # compute dtype: float32 on CPU, bfloat16 on GPU
+        micro_batch_size: int = 8,  # sequences per forward/backward on one rank
+        allowed_token_ids: list[int] | None = None,  # the generator's sampling restriction, if any
+        temperature: float = 1.0,  # the generator's sampling temperature (model.py `sampling_logits`)
+        weight_sync: str = "store",  # the planned transport of push_weights: shm | broadcast | store
+    ):
+        self.model_path, self.loss_fn, self.optim_config = model_path, loss_fn, optimizer
+        self.max_steps, self.dtype, self.micro_batch_size = max_steps, dtype, micro_batch_size
+        self.allowed_token_ids, self.temperature = allowed_token_ids, temperature
+        self.weight_sync = weight_sync
+        self.policy_version = 0  # the last version pushed (setup and load_checkpoint set it too)
+
+    @endpoint
+    async def setup(self) -> None:
+        """All ranks. Process group, weights publisher, model (HF weights via the adapter), optimizer, LR schedule."""
+        self.rank, self.world, self.device = init_distributed()
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, torch.get_num_threads() // self.world))
+        self.publisher = make_publisher(self.weight_sync, self.rank, self.world, self.device)
+        self.model, self.adapter = build_model(self.model_path, self.device, self.dtype)
+        self.model.train()
+        o = self.optim_config
+        titan_optim = TitanOptimizerConfig(
+            name="AdamW",
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            implementation="fused" if self.device.type == "cuda" else "foreach",
+        )
+        dims = ParallelDims(dp_replicate=1, dp_shard=self.world, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=self.world)
+        self.optimizers = build_optimizers([self.model], titan_optim, dims)
+        # TorchTitan's warmup-stable-decay schedule. "constant" = no decay phase; its horizon is
+        # made unreachable because TorchTitan's schedule fails past its last step.
+        constant = o.schedule == "constant"
+        schedule = TitanLRSchedulerConfig(
+            warmup_steps=o.warmup_steps, decay_ratio=0.0 if constant else None, decay_type="linear" if constant else o.schedule
+        )
+        self.lr_schedulers = build_lr_schedulers(self.optimizers, schedule, 10**9 if constant else self.max_steps)
+        self.step, self.policy_version = 0, 0
+
+    @endpoint
+    async def train_step(
+        self, batch: list[Episode], ref_logprobs: list[torch.Tensor] | None = None, imitate: list[Episode] | None = None
+    ) -> dict[str, float]:
+        """All ranks (every rank gets the whole batch; returns the same metrics). One optimizer step.
+
+        ref_logprobs: per episode [T] reference log-probs aligned with its tokens. imitate: episodes whose
+        mean token NLL, times the loss_fn's `imitation_coef`, joins the loss of the same optimizer step.
+        """
+        if self.loss_fn is None:
+            raise ValueError("Trainer.train_step: this trainer was built without a loss_fn")
+        t = self._tensors(batch, self.loss_fn.advantages(batch), ref_logprobs)
+        denominator = self.loss_fn.prepare(t)
+        total_loss, tokens = 0.0, 0.0
+        sums, lows, highs = defaultdict(float), {}, {}
+        for piece, weight in self._micro_batches(len(batch)):
+            loss, m = self._forward_loss(t, piece, weight, denominator)
+            loss.backward()
+            n = m.pop("num_tokens").item()
+            total_loss, tokens = total_loss + loss.item(), tokens + n
+            for k, v in m.items():
+                kind = reduction(k)
+                if kind == "mean":
+                    sums[k] += v.item() * n
+                elif kind == "min":  # a piece without tokens has no ratio: it counts as +inf
+                    lows[k] = min(lows.get(k, math.inf), v.item() if n > 0 else math.inf)
+                else:
+                    highs[k] = max(highs.get(k, -math.inf), v.item() if n > 0 else -math.inf)
+
+        imitation_nll = self._imitation_backward(imitate, self.loss_fn.imitation_coef) if imitate else None
+
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.optim_config.max_grad_norm)
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        await self.publisher.sent()  # the last push may still be sending these parameters
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        self.optimizers.zero_grad()
+        self.step += 1
+
+        sums = self._all_sum({**sums, "loss": total_loss, "num_tokens": tokens})
+        n = max(sums.pop("num_tokens"), 1.0)
+        metrics = {"loss": sums.pop("loss"), **{k: v / n for k, v in sums.items()}}
+        extremes = self._all_max({**{k: -v for k, v in lows.items()}, **highs})
+        metrics.update({k: -extremes[k] if k in lows else extremes[k] for k in extremes if math.isfinite(extremes[k])})
+        metrics.update(grad_norm=grad_norm.item(), lr=lr, step=self.step, num_tokens=n)
+        if imitation_nll is not None:
+            metrics.update(imitation_nll=imitation_nll, imitation_episodes=len(imitate))
+        return metrics
+
+    @endpoint
+    async def push_weights(self, version: int) -> int:
+        """All ranks (collective when sharded). The HF-named weights go by the planned transport, each tensor
+        gathered as its turn comes (or, into shared memory on one host, each rank's own rows with no gather),
+        and the version's handle goes into TorchStore (forge_rl/weights/). Returns once generators can fetch
+        it (a broadcast is then under way and completes as they take it; the next push and the next optimizer
+        step wait for it): the number of tensors on rank 0, 0 elsewhere."""
+        rows = self.publisher.every_rank_writes
+        shapes, tensors = (hf_weight_rows if rows else hf_weights)(self.model, self.adapter, self.dtype)
+        try:
+            await self.publisher.publish(shapes, tensors, version)
+        finally:  # whatever failed on one rank: the others wait in its gathers and at the barrier
+            await asyncio.to_thread(drain, tensors)
+            if dist.is_initialized():
+                dist.barrier()
+        self.policy_version = version
+        return len(shapes) if self.rank == 0 else 0
+
+    @endpoint
+    async def join_weights_group(self, rendezvous: str, port: int, world: int, bind: str) -> None:
+        """All ranks, with every generator's join at the same time: rank 0 joins the broadcast group as
+        its rank 0 and hosts its rendezvous on `rendezvous:port`; other ranks do nothing."""
+        await asyncio.to_thread(self.publisher.join, rendezvous, port, world, bind)
+
+    @endpoint
+    async def logprobs(self, token_ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """All ranks (collective when sharded; all return the same). Current policy's per-token
+        log-probs, each [T] aligned with its ids (position 0 is 0)."""
+        self.model.eval()
+        try:
+            return logprobs_of(
+                self.model, token_ids, self.device, self.dtype, self.micro_batch_size, self.allowed_token_ids, self.temperature
+            )
+        finally:
+            self.model.train()
+
+    @endpoint
+    async def save_checkpoint(self, path: str) -> None:
+        """All ranks. Model, optimizer, LR schedule, step and policy version with
+        torch.distributed.checkpoint (each rank writes its shards)."""
+        dcp.save(self._checkpoint_state(), checkpoint_id=path)
+
+    @endpoint
+    async def load_checkpoint(self, path: str) -> dict[str, int]:
+        """All ranks. Restore what save_checkpoint wrote (any earlier number of ranks works for the
+        model and optimizer); training then continues with the same numbers."""
+        await self.publisher.sent()
+        state = self._checkpoint_state()
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(self.model, state["model"])
+        self.optimizers.load_state_dict(state["optimizer"])
+        self.lr_schedulers.load_state_dict(state["lr_scheduler"])
+        self._apply_schedule()
+        self.step, self.policy_version = int(state["progress"]["step"]), int(state["progress"]["policy_version"])
+        return {"step": self.step, "policy_version": self.policy_version}
+
+    async def __cleanup__(self, exc: Exception | None) -> None:
+        """Unlink the shared-memory buffers (after a kill -9, Generator cleanup removes them instead)."""
+        if hasattr(self, "publisher"):
+            self.publisher.close()
+
+    # ------------------------------------------------------------------------ helpers
+
+    def _checkpoint_state(self) -> dict:
+        return {
+            "model": get_model_state_dict(self.model),
+            "optimizer": self.optimizers.state_dict(),
+            "lr_scheduler": self.lr_schedulers.state_dict(),
+            "progress": {"step": self.step, "policy_version": self.policy_version},
+        }
+
+    def _apply_schedule(self) -> None:
+        """Set the optimizer's lr to this run's schedule at the restored step. The checkpoint holds the lr
+        of the run that saved it (0 at the end of a decayed schedule): a run resumed with more max_steps
+        would take its first step at that lr."""
+        for scheduler in self.lr_schedulers.schedulers:
+            set_scheduler_lr(scheduler, [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)])
+
+    def _tensors(self, batch: list[Episode], advantages, ref_logprobs) -> dict[str, torch.Tensor]:
+        """Episodes -> right-padded [B, T] CPU tensors, lengths [B], advantages [B], and each token's age:
+        how many versions before the last pushed one it was sampled."""
+        if not batch:
+            raise ValueError("train_step: empty batch")
+        length = max(len(e.tokens) for e in batch)
+
+        def pad(rows, dtype):
+            return pad_right([torch.as_tensor(r, dtype=dtype) for r in rows], length)
+
+        t = {
+            "tokens": pad([e.tokens for e in batch], torch.long),
+            "lengths": torch.tensor([len(e.tokens) for e in batch]),
+            "mask": pad([e.loss_mask for e in batch], torch.float32),
+            "behaviour": pad([e.behaviour_logprobs for e in batch], torch.float32),
+            "ages": self.policy_version - pad([e.token_versions for e in batch], torch.long),
+            "advantages": torch.as_tensor(advantages, dtype=torch.float32),
+        }
+        t["mask"][:, 0] = 0  # the first token has no prediction to train
+        if ref_logprobs is not None:
+            t["ref"] = pad(ref_logprobs, torch.float32)
+        return t
+
+    def _forward_loss(self, t: dict, rows: torch.Tensor, weight: float, denominator: float):
+        """The loss of some rows, trimmed to their longest episode; position 0 is dropped (nothing predicts it)."""
+        length = max(2, int(t["lengths"][rows].max()))
+        piece = {k: t[k][rows, 1:length].to(self.device) for k in ("mask", "behaviour", "ages", "ref") if k in t}
+        piece["mask"] = piece["mask"] * weight
+        piece["advantages"] = t["advantages"][rows].to(self.device)
+        with autocast(self.device, self.dtype):
+            lp, logits = sequence_logprobs(
+                self.model, t["tokens"][rows, :length].to(self.device), True, self.allowed_token_ids, self.temperature
+            )
+        return self.loss_fn(lp[:, 1:], piece, logits, denominator)
+
+    def _imitation_backward(self, episodes: list[Episode], coef: float) -> float:
+        """Backward of coef x the mean NLL of the episodes' sampled tokens (their loss_mask); returns that NLL.
+        Micro-batched and split over ranks as the main loss is."""
+        length = max(len(e.tokens) for e in episodes)
+        tokens = pad_right([torch.as_tensor(e.tokens, dtype=torch.long) for e in episodes], length)
+        mask = pad_right([torch.as_tensor(e.loss_mask, dtype=torch.float32) for e in episodes], length)
+        mask[:, 0] = 0  # the first token has no prediction to train
+        lengths = torch.tensor([len(e.tokens) for e in episodes])
+        denominator = mask.sum().clamp(min=1).item()
+        nll = 0.0
+        for piece, weight in self._micro_batches(len(episodes)):
+            end = max(2, int(lengths[piece].max()))
+            with autocast(self.device, self.dtype):
+                lp, _ = sequence_logprobs(
+                    self.model, tokens[piece, :end].to(self.device), False, self.allowed_token_ids, self.temperature
+                )
+            piece_nll = -(lp[:, 1:] * mask[piece, 1:end].to(self.device)).sum() * weight / denominator
+            (coef * piece_nll).backward()
+            nll += piece_nll.item()
+        return self._all_sum({"nll": nll})["nll"]
+
+    def _micro_batches(self, n: int):
+        """This rank's rows of a batch of n, as (rows, loss weight) micro-batches. Every rank runs the same
+        number of forward/backward passes (FSDP's collectives pair up); a rank short of rows runs row 0
+        with its loss weighted 0."""
+        rows = torch.tensor_split(torch.arange(n), self.world)[self.rank]  # sizes differ by at most one
+        n_micro = max(1, int(self._all_max({"n": math.ceil(len(rows) / self.micro_batch_size)})["n"]))
+        for piece in torch.tensor_split(rows, n_micro):
+            yield (piece, 1.0) if len(piece) else (torch.tensor([0]), 0.0)
+
+    def _all_max(self, values: dict[str, float]) -> dict[str, float]:
+        return self._all_reduce(values, dist.ReduceOp.MAX)
+
+    def _all_sum(self, values: dict[str, float]) -> dict[str, float]:
+        return self._all_reduce(values, dist.ReduceOp.SUM)
+
+    def _all_reduce(self, values: dict[str, float], op) -> dict[str, float]:
+        if self.world == 1 or not values:
+            return dict(values)
+        keys = sorted(values)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op)
+        return dict(zip(keys, t.tolist()))

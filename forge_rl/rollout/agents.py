@@ -1,0 +1,125 @@
+"""The chat-agent form of an app: `async def run_agent(ctx)` instead of render_prompt / parse_action / reward.
+
+    agent (app code, any SDK) --chat requests--> ChatServer (chat_server.py) --> policy service
+              |  reset / step                          | exact ids of each rollout (segments)
+              v                                        v
+        environment session              Episodes (one per segment, the rollout's reward) --> replay buffer
+
+Rollouts (rollouts.py) runs G agents per group exactly as it runs G games: `play_agent` has
+play_game's arguments and result. Each agent gets its own rollout and base URL; its requests reach the
+policy through the group's shared requests (games at the same prompt share one request of n samples)
+or, in evaluation, greedy answers cached per prompt, as the environment form's turns do. The agent
+returns its reward, or None to let the environment's last reward stand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from forge_rl.rollout.chat_server import ChatServer
+from forge_rl.rollout.env_client import EpisodeAborted
+from forge_rl.rollout.play import GameResult
+
+logger = logging.getLogger("forge_rl.agents")
+
+
+class EnvRecorder:
+    """The agent's environment session (EnvSession's reset and step), remembering the last result."""
+
+    def __init__(self, session):
+        self.session, self.last = session, None
+
+    async def reset(self, **kwargs: Any):
+        self.last = await self.session.reset(**kwargs)
+        return self.last
+
+    async def step(self, action: Any):
+        self.last = await self.session.step(action)
+        return self.last
+
+
+@dataclass
+class AgentContext:
+    """What an agent is given: where to send chat requests, its task's seed, its environment."""
+
+    base_url: str  # OpenAI SDKs: AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+    anthropic_base_url: str  # Anthropic's SDK adds /v1 itself: AsyncAnthropic(base_url=ctx.anthropic_base_url, ...)
+    api_key: str  # any string; the server does not check it
+    model: str  # the model name to ask for
+    seed: int  # the group's seed: the G agents of a group face the same task
+    env: EnvRecorder | None  # an environment session (reset / step) when the config names an environment
+    # The run's HTTP connection pool for the SDKs' `http_client=` (an httpx2.AsyncClient, what openai and
+    # anthropic use). A client of its own costs an agent ~22 ms of CPU (the SDK loads the CA certificates
+    # into an SSL context) and a new connection: more than a short agent's requests. Owned by the run:
+    # an agent that shares it does not close its SDK client. None: the SDK makes its own.
+    http_client: Any = None
+
+
+@dataclass
+class ChatAgents:
+    """What a run's agents share: the chat server and one connection pool to it."""
+
+    server: ChatServer
+    http_client: Any
+
+
+async def chat_agents(rollouts) -> ChatAgents:
+    """The run's chat server and connection pool, started by the first agent that needs them (later ones wait)."""
+    if rollouts.agents is None:
+        rollouts.agents = asyncio.ensure_future(_start(rollouts))  # set before any await: started once
+    return await asyncio.shield(rollouts.agents)
+
+
+async def _start(rollouts) -> ChatAgents:
+    from openai import DefaultAioHttpClient
+
+    async def generate(prompt_ids, params, session):
+        return await rollouts.policy.route("generate", prompt_ids, params, session=session)
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the agents' SDKs would log a line per request
+    cfg = rollouts.cfg
+    server = ChatServer(
+        rollouts.tokenizer, generate, rollouts.sampling(), rollouts.sampling(greedy=True), cfg.chat, cfg.generator.max_model_len
+    )
+    await server.start()
+    # The SDK's own client on aiohttp costs less CPU per request than its default httpx transport, and the
+    # agents run in this process. Its pool keeps 100 connections alive.
+    return ChatAgents(server, DefaultAioHttpClient())
+
+
+async def stop_chat_server(rollouts) -> None:
+    task = rollouts.agents
+    if task is not None and task.done() and not task.cancelled() and task.exception() is None:
+        agents = task.result()
+        await agents.http_client.aclose()
+        await agents.server.stop()
+    rollouts.agents = None
+
+
+async def play_agent(rollouts, seed: int, group_id: str, asks, reset_args: dict | None = None) -> GameResult:
+    """One agent run on its own rollout and environment session (play.py `play_game`'s contract).
+    `asks`: the group's SharedRequests or the evaluation's GreedyAnswers, which sample its replies.
+    `reset_args` is play_game's; an agent resets its environment itself (ctx.env, ctx.seed)."""
+    agents = await chat_agents(rollouts)
+    server, cfg = agents.server, rollouts.cfg
+    rollout = server.open_rollout(answer=asks.answer)
+    base, reward = f"{server.url}/s/{rollout.rollout_id}", None
+    try:
+        async with rollouts.sessions.session() as session:
+            env = EnvRecorder(session)
+            ctx = AgentContext(f"{base}/v1", base, "forge-rl", cfg.chat.model_name, seed, env, agents.http_client)
+            try:
+                reward = await asyncio.wait_for(rollouts.app.run_agent(ctx), cfg.chat.agent_timeout_s)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"run_agent took longer than chat.agent_timeout_s={cfg.chat.agent_timeout_s} s") from None
+            if reward is None:
+                reward = float((env.last.reward if env.last is not None else None) or 0.0)
+    except EpisodeAborted as e:
+        logger.warning("agent on seed %d dropped: %s", seed, e)
+        return GameResult([], 0.0, False, aborted=True)
+    finally:
+        await server.end_rollout(rollout.rollout_id, reward)
+    return GameResult(rollout.episodes(group_id), float(reward), False)

@@ -1,0 +1,207 @@
+"""The client side of environments: one WebSocket session per episode.
+
+`EnvSession` wraps OpenEnv's client (the WebSocket protocol stays OpenEnv's; compat/openenv.py) and adds
+what a training run needs from a remote environment:
+  - a timeout on every call (connect, reset, step), so a hung server cannot hang a rollout;
+  - reconnect-and-retry when the connection drops or the server restarts mid-episode, restoring
+    the episode on the new session (see `restore`); an episode that cannot be restored raises
+    `EpisodeAborted` and is dropped by the caller, never continued on a wrong state;
+  - typed errors: `EnvCapacityError` (server at MAX_CONCURRENT_ENVS), `EnvError` (the server
+    refused a message; the session is still usable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from openenv.core.client_types import StepResult
+from websockets.exceptions import WebSocketException
+
+from forge_rl.compat.openenv import wire_client_class
+
+RESTORE_MODES = ("replay", "reset", "none")
+
+
+class EnvError(RuntimeError):
+    """The server answered with an error (bad action, failed step); the session is still open."""
+
+
+class EnvCapacityError(EnvError):
+    """The server already serves MAX_CONCURRENT_ENVS sessions: raise it there, or add replicas."""
+
+
+class EpisodeAborted(RuntimeError):
+    """The episode's session was lost and could not be restored: drop the episode."""
+
+
+# Failures after which the connection is in an unknown state: drop it, reconnect, restore.
+_TRANSIENT = (ConnectionError, OSError, WebSocketException, asyncio.TimeoutError, EOFError)
+
+
+class _WireClient(wire_client_class()):
+    """OpenEnv's dict client, raising typed errors instead of a bare RuntimeError."""
+
+    def server_error(self, url: str, data: dict) -> Exception:
+        kind = EnvCapacityError if data.get("code") == "CAPACITY_REACHED" else EnvError
+        detail = f"; {data['errors']}" if data.get("errors") else ""
+        return kind(f"{url}: {data.get('message')} ({data.get('code')}){detail}")
+
+
+class EnvSession:
+    """One episode at a time on one WebSocket session, restored if the connection is lost.
+
+    restore: how to rebuild the episode on a new session after a drop.
+      "replay": reset with the same arguments (and the seed the server reported in
+                observation["seed"] if none was given), resend every acknowledged action, and
+                check the last observation is identical; for deterministic environments (BlackJack).
+      "reset":  reset with the same arguments, nothing else; for environments whose steps do
+                not depend on earlier ones (the code interpreter).
+      "none":   a drop after reset aborts the episode.
+    Invariant: a call returns only observations of the episode as the caller has seen it; when
+    that cannot be guaranteed it raises EpisodeAborted. Not safe for concurrent use; open one
+    session per concurrent episode.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 30.0,
+        connect_timeout_s: float = 10.0,
+        reconnect_window_s: float = 30.0,
+        max_restores: int = 3,
+        restore: str = "replay",
+    ):
+        if restore not in RESTORE_MODES:
+            raise ValueError(f"restore must be one of {RESTORE_MODES}, got {restore!r}")
+        if timeout_s <= 0 or connect_timeout_s <= 0:
+            raise ValueError("timeout_s and connect_timeout_s must be > 0")
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.reconnect_window_s = reconnect_window_s
+        self.max_restores = max_restores
+        self.restore = restore
+        self.reconnects = 0  # sessions rebuilt after a drop, over this object's life
+        self._client: _WireClient | None = None
+        self._reset_kwargs: dict[str, Any] | None = None  # None: no episode started
+        self._actions: list[dict[str, Any]] = []
+        self._last: StepResult | None = None
+        self._lost = False  # the connection dropped mid-episode; restore before the next call
+
+    async def reset(self, **kwargs: Any) -> StepResult:
+        """Start a new episode (e.g. reset(seed=7)); observation is the server's dict."""
+        self._reset_kwargs, self._actions, self._last, self._lost = None, [], None, False
+        result = await self._call("reset", kwargs)
+        seed = result.observation.get("seed")
+        self._reset_kwargs = dict(kwargs) if "seed" in kwargs or seed is None else {**kwargs, "seed": seed}
+        self._last = result
+        return result
+
+    async def step(self, action: Any) -> StepResult:
+        """Send one action (a dict or an OpenEnv Action) and return the server's answer."""
+        if self._reset_kwargs is None:
+            raise EnvError("step() before reset(): start an episode first")
+        payload = action.model_dump() if hasattr(action, "model_dump") else dict(action)
+        result = await self._call("step", payload)
+        self._actions.append(payload)
+        self._last = result
+        return result
+
+    async def close(self) -> None:
+        await self._discard()
+
+    async def __aenter__(self) -> "EnvSession":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def _call(self, kind: str, payload: dict[str, Any]) -> StepResult:
+        try:
+            return await self._call_with_retries(kind, payload)
+        except EpisodeAborted:
+            # Whatever the connection holds now is not the caller's episode: end it, so a
+            # further step() fails loudly instead of acting on another state.
+            await self._discard()
+            self._reset_kwargs, self._actions, self._last, self._lost = None, [], None, False
+            raise
+
+    async def _call_with_retries(self, kind: str, payload: dict[str, Any]) -> StepResult:
+        failures = 0
+        while True:
+            try:
+                await self._connect()
+                return await self._send(kind, payload)
+            except EnvCapacityError:
+                await self._discard()
+                raise
+            except _TRANSIENT as e:
+                await self._discard()
+                failures += 1
+                if self._reset_kwargs is None and kind == "reset" and failures <= self.max_restores:
+                    continue  # nothing to restore yet: just try the reset again
+                if self.restore == "none" or failures > self.max_restores:
+                    raise EpisodeAborted(
+                        f"{self.url}: connection lost ({type(e).__name__}: {e}) after "
+                        f"{failures} attempt(s), restore={self.restore!r}; drop this episode"
+                    ) from e
+                self._lost = True
+
+    async def _send(self, kind: str, payload: dict[str, Any]) -> StepResult:
+        """One request on the current connection, bounded by timeout_s."""
+        call = self._client.reset(**payload) if kind == "reset" else self._client.step(payload)
+        return await asyncio.wait_for(call, self.timeout_s)
+
+    async def _connect(self) -> None:
+        """Open a connection if there is none, retrying with backoff; restore the episode if lost."""
+        if self._client is not None:
+            return
+        deadline, delay = time.monotonic() + self.reconnect_window_s, 0.05
+        while True:
+            try:
+                client = _WireClient(self.url, self.connect_timeout_s, self.timeout_s)
+                self._client = await client.connect()
+                if self._lost:
+                    await self._restore()
+                    self._lost = False
+                    self.reconnects += 1
+                return
+            except EnvError as e:  # capacity while restoring, or the server refusing the replay
+                await self._discard()
+                if not isinstance(e, EnvCapacityError):
+                    raise EpisodeAborted(f"{self.url}: could not restore the episode: {e}") from e
+                cause = e
+            except _TRANSIENT as e:
+                await self._discard()
+                cause = e
+            if time.monotonic() + delay > deadline:
+                where = "restore the episode" if self._lost else "connect"
+                raise EpisodeAborted(
+                    f"{self.url}: could not {where} within {self.reconnect_window_s:g} s "
+                    f"({type(cause).__name__}: {cause}); is the server running?"
+                ) from cause
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def _restore(self) -> None:
+        result = await self._send("reset", self._reset_kwargs)
+        if self.restore == "replay":
+            for action in self._actions:
+                result = await self._send("step", action)
+            if self._last is not None and result != self._last:
+                raise EpisodeAborted(
+                    f"{self.url}: replaying seed and {len(self._actions)} action(s) on a new "
+                    "session gave a different observation; the environment is not deterministic "
+                    "(use restore='reset' or 'none' for it)"
+                )
+
+    async def _discard(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                await asyncio.wait_for(client.disconnect(), 2.0)
+            except Exception:
+                pass  # the connection is already broken; nothing to save

@@ -1,0 +1,146 @@
+"""Playing one game: the prompt of each turn as token ids, the policy's answer, the environment's step,
+until the game is done; and what a game gives back. Nothing here knows the rules of any game: the prompt,
+the parsing of an answer and the reward are the app's (core/app.py).
+
+One game is one episode; its turns are one token record (core/episode.py): what the policy sampled is
+kept as sampled, each new observation is tokenized alone and appended.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from forge_rl.core.app import App
+from forge_rl.core.config import ConfigError, SamplingConfig
+from forge_rl.core.episode import EpisodeRecord
+from forge_rl.core.types import Episode
+from forge_rl.rollout.env_client import EpisodeAborted
+
+if TYPE_CHECKING:
+    from forge_rl.rollout.rollouts import Rollouts
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GameResult:
+    episodes: list[Episode]  # none when the game had no decision or was aborted; a chat agent's may be several
+    reward: float
+    invalid: bool  # ended by an answer the app's parse_action refused
+    aborted: bool = False  # the environment session was lost and could not be restored
+
+
+_PROMPTS_WITH_UNKNOWN_WORDS: list[str] = []  # the first one found is reported, once per run
+
+
+def prompt_ids(app: App, tokenizer, observation: dict, first_turn: bool, close_previous: bool = False) -> list[int]:
+    """Token ids of one user turn and the assistant header, tokenized on their own.
+
+    The first turn comes from the chat template; later turns continue a conversation whose earlier ids
+    are kept as sampled, so only the new text is tokenized (never the whole conversation again).
+    `close_previous`: the previous answer stopped without the end-of-turn token (constrained decoding
+    samples the answer alone), so this turn starts by closing it.
+    """
+    text, ids = _turn_ids(tokenizer, app.render_prompt(observation), first_turn)
+    ids = list(ids)
+    if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids and not _PROMPTS_WITH_UNKNOWN_WORDS:
+        _PROMPTS_WITH_UNKNOWN_WORDS.append(text)  # the prompt's words are the app's to fix
+        logger.warning("the tokenizer does not know some words of this prompt (read as %s): %r", tokenizer.unk_token, text[:300])
+    return [tokenizer.eos_token_id] + ids if close_previous else ids
+
+
+@functools.lru_cache(maxsize=4096)
+def _turn_ids(tokenizer, content: str, first_turn: bool) -> tuple[str, tuple[int, ...]]:
+    """The text and ids of one user turn (see prompt_ids). Cached: a game's prompts repeat (BlackJack
+    has a few hundred), and rendering the chat template three times per turn cost more than the model."""
+    message = {"role": "user", "content": content}
+    text = tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
+    if not first_turn:
+        # The turn as the template renders it after an earlier one: without what it puts only at the start
+        # (SmolLM2's default system prompt), after the newline it puts after the previous <|im_end|>.
+        earlier = [{"role": "user", "content": "."}]
+        before = tokenizer.apply_chat_template(earlier, tokenize=False)
+        text = "\n" + tokenizer.apply_chat_template(earlier + [message], tokenize=False, add_generation_prompt=True)[len(before):]
+    return text, tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def answer_token_ids(app: App, tokenizer) -> list[int]:
+    """For constrained decoding: the ids the policy may sample, each word of the app's ANSWER_VOCABULARY
+    (answers of up to sampling.max_tokens tokens, e.g. "x*7") or else of its ACTIONS (one token each).
+
+    The policy then samples only these ids (vLLM's allowed_token_ids), and the trainer and reference
+    renormalise every position over the same ids: behaviour and trained log-probs are of one and the
+    same distribution. The end-of-turn token after the answer is then the environment's, appended with
+    the next turn (not trained).
+    """
+    ids = []
+    for answer in app.answers:
+        encoded = tokenizer(answer, add_special_tokens=False)["input_ids"]
+        if len(encoded) != 1:
+            raise ConfigError(
+                f"sampling.constrained needs each answer to be one token; {answer!r} is "
+                f"{len(encoded)} tokens for this tokenizer: set sampling.constrained=false"
+            )
+        if tokenizer.unk_token_id is not None and encoded[0] == tokenizer.unk_token_id:
+            raise ConfigError(
+                f"answer {answer!r} of {app.name} is not in the model's vocabulary (it is the "
+                f"unknown token {tokenizer.unk_token!r}): use words the model knows (forge_rl/models/tiny.py lists the tiny model's) or set model.path"
+            )
+        ids += encoded
+    return ids
+
+
+def sampling(cfg: RunConfig, allowed_token_ids: list[int] | None, greedy: bool = False, answer_length: int = 1) -> dict:
+    params = {"temperature": 0.0 if greedy else cfg.sampling.temperature, "max_tokens": cfg.sampling.max_tokens}
+    if not greedy:
+        params["top_p"] = cfg.sampling.top_p
+    if allowed_token_ids:
+        params.update(allowed_token_ids=allowed_token_ids, max_tokens=answer_length)
+    return params
+
+
+def sampling_params(config: SamplingConfig, allowed_token_ids: list[int] | None, greedy: bool = False, answer_length: int = 1) -> dict:
+    """The generator's sampling dict: the config's (greedy for evaluation), restricted to the answer ids
+    when decoding is constrained."""
+    params = {"temperature": 0.0 if greedy else config.temperature, "max_tokens": config.max_tokens}
+    if not greedy:
+        params["top_p"] = config.top_p
+    if allowed_token_ids:
+        params.update(allowed_token_ids=allowed_token_ids, max_tokens=answer_length)
+    return params
+
+
+async def play_game(rollouts: Rollouts, seed: int, group_id: str, asks, reset_args: dict | None = None) -> GameResult:
+    """One whole game on its own environment session: observe, ask the policy, act, until done.
+    `asks`: where the game's answers come from (requests.py), shared with the other games of its group or
+    evaluation. `reset_args`: besides the seed (the config's env.reset_args, or eval.reset_args over them)."""
+    cfg, app, tokenizer = rollouts.cfg, rollouts.app, rollouts.tokenizer
+    async with rollouts.sessions.session() as session:
+        try:
+            observation = (await session.reset(seed=seed, **(reset_args or cfg.env.reset_args))).observation
+            record, invalid = EpisodeRecord(prompt_ids(app, tokenizer, observation, True)), False
+            previous = None  # (prompt ids, answer ids) of the last turn, for the group's shared requests
+            for turn in range(cfg.rollout.max_turns):
+                if observation["done"]:
+                    break
+                if turn:
+                    unclosed = record.token_ids[-1] != tokenizer.eos_token_id
+                    record.add_prompt(prompt_ids(app, tokenizer, observation, False, unclosed))
+                completion = await asks.answer(list(record.token_ids), previous)
+                previous = (tuple(completion.prompt_ids), tuple(completion.token_ids))
+                record.add_completion(completion)
+                action = app.parse_action(completion.text, observation)
+                if action is None:
+                    invalid = True
+                    break
+                observation = (await session.step(action)).observation
+        except EpisodeAborted as e:
+            logger.warning("game on seed %d dropped: %s", seed, e)
+            rollouts.last_abort = str(e)
+            return GameResult([], 0.0, False, aborted=True)
+    reward = app.reward(observation, invalid, cfg.rollout.invalid_action_penalty)
+    episodes = [record.to_episode(reward, group_id)] if record.completion_versions else []
+    return GameResult(episodes, reward, invalid)

@@ -1,0 +1,92 @@
+"""Rollouts: a run's game playing against the policy service, and what it counts.
+
+    rollouts.group(seed) -> G episodes dealt from one seed (None when one of them was lost)
+
+It owns the environment sessions, the batcher that sends the games' requests to the policy together,
+the chat server of agent apps, and its counters (games played and aborted, the recent rewards the
+progress bar shows). The policy is any object with `route(endpoint, ...)` (a Service of Generators).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from forge_rl.core.app import App
+from forge_rl.core.config import RunConfig
+from forge_rl.core.types import Completion, Episode
+from forge_rl.rollout.batching import RequestBatcher
+from forge_rl.rollout.play import GameResult, play_game, sampling_params
+from forge_rl.rollout.requests import SharedRequests
+from forge_rl.rollout.sessions import SessionPool
+
+GROUPS_LOST_BEFORE_GIVING_UP = 20  # groups in a row whose every game was aborted: the environment is gone
+
+
+class EnvironmentLost(RuntimeError):
+    """No game can be played any more (the environment server stopped answering): the run stops."""
+
+
+class Rollouts:
+    """Lifecycle: constructed once the policy service is up; `group` and `play` any number of times,
+    concurrently; `close` at the end (sessions, the chat server)."""
+
+    def __init__(self, cfg: RunConfig, app: App, tokenizer, policy, env_url: str, allowed_token_ids: list[int] | None):
+        self.cfg, self.app, self.tokenizer, self.policy = cfg, app, tokenizer, policy
+        self.allowed_token_ids = allowed_token_ids  # constrained decoding: the only ids the policy may sample
+        self.answer_length = cfg.sampling.max_tokens if app.multi_token_answers else 1  # tokens per answer
+        self.sessions = SessionPool(env_url, cfg.env.max_concurrent, cfg.env.timeout_s)
+        self.batcher: RequestBatcher | None = None  # made on the first request (it needs the running loop)
+        self.agents = None  # agent apps: the task starting the chat server (rollout/agents.py)
+        self.episodes_played = 0
+        self.aborted_games = 0
+        self.groups_lost_in_a_row = 0  # groups whose every game was aborted, since the last one that was not
+        self.last_abort = ""  # why the last aborted game was
+        self.recent: list[tuple[float, bool]] = []  # (reward, invalid) of recent training games
+
+    def sampling(self, greedy: bool = False) -> dict:
+        return sampling_params(self.cfg.sampling, self.allowed_token_ids, greedy, self.answer_length)
+
+    async def generate(self, prompt_ids: list[int], params: dict) -> list[Completion]:
+        """One request to the policy service, sent with those of the other games in flight in one call
+        to whichever generator replica it routes to."""
+        if self.batcher is None:
+            send = lambda requests: self.policy.route("generate_batch", requests)  # noqa: E731
+            self.batcher = RequestBatcher(send, max_in_flight=len(self.policy.replicas))
+        return await self.batcher.generate(prompt_ids, params)
+
+    async def play(self, seed: int, group_id: str, asks, reset_args: dict | None = None) -> GameResult:
+        """One game, or one agent run for an agent app (same arguments, same result)."""
+        if self.app.is_agent:
+            from forge_rl.rollout.agents import play_agent
+
+            return await play_agent(self, seed, group_id, asks, reset_args)
+        return await play_game(self, seed, group_id, asks, reset_args)
+
+    async def group(self, seed: int) -> list[Episode] | None:
+        """G games dealt from one seed: the group GRPO compares (same cards, different decisions)."""
+        size = self.cfg.grpo.group_size
+        shared = SharedRequests(self.generate, size, self.sampling(), seed=(self.cfg.seed, seed))
+        results = await asyncio.gather(*(self.play(seed, f"seed{seed}", shared) for _ in range(size)))
+        self.episodes_played += len(results)
+        self.aborted_games += sum(r.aborted for r in results)
+        self.groups_lost_in_a_row = self.groups_lost_in_a_row + 1 if all(r.aborted for r in results) else 0
+        if self.groups_lost_in_a_row >= GROUPS_LOST_BEFORE_GIVING_UP:
+            raise EnvironmentLost(
+                f"every game of the last {self.groups_lost_in_a_row} groups was aborted (last: {self.last_abort}): "
+                "the environment server is gone; check env.url / env.server"
+            )
+        self.recent = (self.recent + [(r.reward, r.invalid) for r in results if not r.aborted])[-2000:]
+        episodes = [e for r in results for e in r.episodes]
+        return episodes if all(r.episodes for r in results) else None  # a group with a dropped game is not comparable
+
+    def recent_figures(self, n: int = 500) -> tuple[float, float]:
+        """(mean reward, invalid rate) of the last `n` training games."""
+        last = self.recent[-n:]
+        return sum(r for r, _ in last) / max(len(last), 1), sum(i for _, i in last) / max(len(last), 1)
+
+    async def close(self) -> None:
+        if self.agents is not None:
+            from forge_rl.rollout.agents import stop_chat_server
+
+            await stop_chat_server(self)
+        await self.sessions.close()
