@@ -1,0 +1,58 @@
+"""The package's shape, kept: imports go one way (.importlinter's contracts), no module grows past what one read
+takes in, and the README names every module a newcomer meets."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "forge_rl"
+MAX_MODULE_LINES = 400
+
+
+def test_imports_go_one_way():
+    """lint-imports checks .importlinter: each layer imports only the layers below it, and forge_rl never imports
+    an app. A module importing upward (a runtime module reaching for the recipe, say) fails here with the import."""
+    lint = Path(sys.executable).parent / "lint-imports"
+    result = subprocess.run([str(lint), "--config", str(ROOT / ".importlinter")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "2 kept, 0 broken" in result.stdout
+
+
+def test_an_upward_import_breaks_the_contract(tmp_path):
+    """The contract can fail: a copy of the package where core imports the recipe is refused."""
+    import shutil
+
+    copy = tmp_path / "repo"
+    shutil.copytree(PACKAGE, copy / "forge_rl", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "apps", copy / "apps", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / ".importlinter", copy / ".importlinter")
+    types = copy / "forge_rl" / "core" / "types.py"
+    types.write_text(types.read_text() + "\nfrom forge_rl.recipes.grpo import loop  # noqa\n")
+    lint = Path(sys.executable).parent / "lint-imports"
+    result = subprocess.run([str(lint), "--config", ".importlinter"], cwd=copy, capture_output=True, text=True, timeout=300,
+                            env={"PYTHONPATH": str(copy), "PATH": "/usr/bin:/bin"})
+    assert result.returncode != 0 and "forge_rl.core.types -> forge_rl.recipes.grpo.loop" in result.stdout, result.stdout[-2000:]
+
+
+def test_no_module_is_longer_than_one_read():
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def test_the_readme_names_every_module():
+    """The README's architecture table names each module of the package as `folder/module.py` (a package's
+    __init__.py with code in it as `folder/`)."""
+    named = set(re.findall(r"`([a-z_/]+(?:\.py|/))`", (ROOT / "README.md").read_text()))
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = str(path.relative_to(PACKAGE))
+        if path.name == "__main__.py":  # the package's command, named with the package
+            continue
+        if path.name == "__init__.py":
+            if path.parent != PACKAGE and len(path.read_text().splitlines()) > 5 and module.removesuffix("__init__.py") not in named:
+                missing.append(module.removesuffix("__init__.py"))
+        elif module not in named:
+            missing.append(module)
+    assert not missing, f"README.md does not name {missing}"
