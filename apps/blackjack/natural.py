@@ -1,12 +1,12 @@
-"""BlackJack for a pretrained chat model: the same game (task.py), asked and answered in plain English.
+"""BlackJack for a pretrained chat model: the same game (task.py), asked in plain English.
 
 task.py's terse prompt ("Dealer 10. You 17 soft. HIT or STAND?") suits a tiny model that learns every
-token from scratch; a pretrained model (SmolLM2, Qwen3) reads a sentence better, and answers in free
-text (`sampling.constrained: false`): the action is the first of "hit" and "stand" that the answer names
-("Hit.", "I would stand.", "You should hit, since..."); an answer naming neither is invalid. A small chat
-model seldom answers with the bare word (SmolLM2-135M: a few answers in a hundred), so a strict parse
-would leave every group's games all invalid alike, with nothing for GRPO to compare. Rewards, reference
-policies and their EVs are task.py's.
+token from scratch; a pretrained model (SmolLM2, Qwen3) reads a sentence better. Its answer is either
+constrained (`sampling.constrained: true`): one token, "Hit" or "Stand" (each one token of SmolLM2's and
+Qwen3's tokenizers, and the word a chat model starts its answer with), so every answer is valid from the
+first step and the trainer scores exactly the two-way distribution that sampled it; or free text, where the
+action is the first of "hit" and "stand" the answer names ("Hit.", "I would stand.") and an answer naming
+neither is invalid. Rewards, reference policies and their EVs are task.py's.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from apps.blackjack.task import ACTIONS, REFERENCE_EV, REFERENCE_POLICIES, _fields, card_value, eval_metrics, reward  # noqa: F401
+from apps.blackjack.task import REFERENCE_EV, REFERENCE_POLICIES, _fields, card_value, eval_metrics, reward  # noqa: F401
+
+ACTIONS = ("Hit", "Stand")  # what constrained decoding samples: one token each
+_NAMES = {"HIT", "STAND"}
 
 
 def render_prompt(observation: Any) -> str:
@@ -32,5 +35,5 @@ def render_prompt(observation: Any) -> str:
 
 def parse_action(text: str, observation: Any = None) -> dict[str, str] | None:
     """The first action a free-text answer names ('Hit.', 'I would stand'); None if it names neither."""
-    named = [word.upper() for word in re.findall(r"[a-z]+", text.lower()) if word.upper() in ACTIONS]
+    named = [word.upper() for word in re.findall(r"[a-z]+", text.lower()) if word.upper() in _NAMES]
     return {"action": named[0]} if named else None
