@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from forge_rl.runtime.actor import stop  # noqa: E402
 from forge_rl.core.config import GRPOConfig, OptimizerConfig  # noqa: E402
 from forge_rl.core.objective import GRPOLoss  # noqa: E402
-from forge_rl.core.loss import group_advantages, grpo_loss  # noqa: E402
+from forge_rl.core.loss import group_advantages, grpo_loss, token_entropy  # noqa: E402
 from forge_rl.models import resolve_model  # noqa: E402
 from forge_rl.models.tiny import build_tiny_model  # noqa: E402
 from forge_rl.engines.titan.model import build_model, pad_right, sequence_logprobs  # noqa: E402
@@ -75,7 +75,7 @@ class Baseline:
                 self.advantages[rows],
                 self.mask[rows, 1:],
                 GRPOConfig(),
-                logits=logits,
+                entropy=token_entropy(logits),
                 denominator=self.denominator,
             )
             loss.backward()

@@ -36,7 +36,7 @@ from apps.blackjack.env import BlackJackAction, BlackJackEnvironment  # noqa: E4
 from forge_rl.core.app import load_app  # noqa: E402
 from forge_rl.core.config import load_config  # noqa: E402
 from forge_rl.core.episode import EpisodeRecord  # noqa: E402
-from forge_rl.core.loss import group_advantages, grpo_loss  # noqa: E402
+from forge_rl.core.loss import group_advantages, grpo_loss, token_entropy  # noqa: E402
 from forge_rl.core.types import Completion  # noqa: E402
 from forge_rl.engines.titan.model import pad_right, sampling_logits, sampling_logprobs  # noqa: E402
 from forge_rl.envs.local import env_url  # noqa: E402
@@ -109,7 +109,7 @@ class InProcessLoop:
         advantages = torch.cat([group_advantages(r, cfg.grpo.normalize_std) for r in rewards])
         logits = self.model(tokens[:, :-1]).logits
         lp, logits = sampling_logprobs(logits, tokens[:, 1:], self.allowed, cfg.sampling.temperature)
-        loss, _ = grpo_loss(lp, behaviour, advantages, mask, cfg.grpo, logits=logits, denominator=mask.sum().item())
+        loss, _ = grpo_loss(lp, behaviour, advantages, mask, cfg.grpo, entropy=token_entropy(logits), denominator=mask.sum().item())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.trainer.optimizer.max_grad_norm)
         self.optimizer.step()

@@ -169,7 +169,7 @@ def test_entropy_and_token_logprobs_by_hand():
     close(token_logprobs(logits, torch.tensor([[2, 1]])), [[-1.3862944, -0.2876821]])  # ln .25, ln .75
     # bonus: loss = -0.01 * (1.3862944 + 0.5623351) / 2 = -0.0097431
     lp = token_logprobs(logits, torch.tensor([[2, 1]]))
-    loss, m = grpo_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 2), grpo(entropy_coef=0.01), logits=logits)
+    loss, m = grpo_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 2), grpo(entropy_coef=0.01), entropy=token_entropy(logits))
     close(loss, -0.0097431)
     close(m["entropy"], 0.9743148)
 
@@ -183,7 +183,7 @@ def test_entropy_floor_turns_the_bonus_on_only_below_it():
     for floor, mask, loss_expected in ((1.0, [[1, 1]], -0.0097431), (0.9, [[1, 1]], 0.0), (0.9, [[0, 1]], -0.01 * 0.5623351)):
         logits.grad = None
         cfg = grpo(entropy_coef=0.01, entropy_floor=floor)
-        loss, m = grpo_loss(lp, lp.detach(), torch.zeros(1), torch.tensor(mask, dtype=torch.float32), cfg, logits=logits)
+        loss, m = grpo_loss(lp, lp.detach(), torch.zeros(1), torch.tensor(mask, dtype=torch.float32), cfg, entropy=token_entropy(logits))
         close(loss, loss_expected)
         loss.backward(retain_graph=True)
         assert (logits.grad.abs().sum() > 0) == (loss_expected != 0.0)
@@ -198,7 +198,7 @@ def test_gradient_flows_only_through_masked_tokens():
     behaviour = torch.where(mask.bool(), lp.detach() - 0.1, torch.zeros_like(lp))
     cfg = grpo(kl_coef=0.05, entropy_coef=0.01)
     ref = lp.detach() + 0.3
-    loss, _ = grpo_loss(lp, behaviour, torch.tensor([1.0, -1.0]), mask, cfg, ref_logprobs=ref, logits=logits)
+    loss, _ = grpo_loss(lp, behaviour, torch.tensor([1.0, -1.0]), mask, cfg, ref_logprobs=ref, entropy=token_entropy(logits))
     loss.backward()
     per_position = logits.grad.abs().sum(-1)  # [B, T]
     assert torch.all(per_position[mask == 0] == 0)

@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from forge_rl.core.net import free_port
 from forge_rl.models.tiny import build_tiny_model
-from forge_rl.engines.titan.model import build_model, hf_weight_rows, hf_weights, logprobs_of
+from forge_rl.engines.titan.hf_weights import hf_weight_rows, hf_weights
+from forge_rl.engines.titan.model import build_model, logprobs_of
 from tests.test_trainer import hf_logprobs
 
 

@@ -177,7 +177,7 @@ def grpo_loss(
     mask: torch.Tensor,  # [B, T] 1 where the policy sampled the token, 0 elsewhere
     config: GRPOConfig,  # clip_low/high, kl_coef/estimator, loss_agg, entropy_coef
     ref_logprobs: torch.Tensor | None = None,  # [B, T] reference log-probs; needed if kl_coef
-    logits: torch.Tensor | None = None,  # [B, T, V] only for the entropy bonus / metric
+    entropy: torch.Tensor | None = None,  # [B, T] each position's entropy (with grad): the bonus / metric
     denominator: float | None = None,  # see AGGREGATIONS; None: normalise by this batch
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped-ratio policy loss + KL + entropy bonus, aggregated over masked tokens.
@@ -214,11 +214,9 @@ def grpo_loss(
         kl = kl_penalty(logprobs, ref, config.kl_estimator)  # [B, T]
         per_token = per_token + config.kl_coef * kl
 
-    entropy = None  # [B, T]
     if config.entropy_coef > 0:
-        if logits is None:
-            raise ValueError("loss.entropy_coef > 0 needs the logits")
-        entropy = token_entropy(logits)
+        if entropy is None:
+            raise ValueError("loss.entropy_coef > 0 needs the entropy of each position")
         bonus = config.entropy_coef * entropy  # [B, T]
         if config.entropy_floor is not None:
             # An entropy floor: the bonus acts only while this batch's mean entropy per trained token is
@@ -229,9 +227,6 @@ def grpo_loss(
             below = (entropy * mask).sum() / mask.sum().clamp(min=1) < config.entropy_floor
             bonus = bonus * below.detach()
         per_token = per_token - bonus
-    elif logits is not None:
-        with torch.no_grad():  # a metric only: no [B, T, V] graph kept for it
-            entropy = token_entropy(logits)
 
     loss = AGGREGATIONS[config.loss_agg](per_token, mask, denominator)
 

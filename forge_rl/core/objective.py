@@ -54,10 +54,10 @@ class GRPOLoss:
             return t["mask"].sum().clamp(min=1).item()
         return (t["mask"].sum(-1) > 0).sum().clamp(min=1).item()
 
-    def __call__(self, logprobs: torch.Tensor, batch: dict, logits: torch.Tensor | None, denominator: float):
+    def __call__(self, logprobs: torch.Tensor, batch: dict, entropy: torch.Tensor | None, denominator: float):
         loss, metrics = grpo_loss(
             logprobs, batch["behaviour"], batch["advantages"], batch["mask"], self.config,
-            ref_logprobs=batch.get("ref"), logits=logits, denominator=denominator,
+            ref_logprobs=batch.get("ref"), entropy=entropy, denominator=denominator,
         )
         with torch.no_grad():
             ratio, mask = torch.exp(logprobs - batch["behaviour"]), batch["mask"].bool()

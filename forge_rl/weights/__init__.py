@@ -18,13 +18,15 @@ class Publisher:
 
     `publish(shapes, tensors, version)` runs on every rank with the HF-named shapes (meta tensors, in layout
     order) and an iterator over the tensors themselves, and returns once a generator can fetch the version
-    (its handle is in TorchStore). With `every_rank_writes`, each rank's iterator gives (first row, its own
-    rows) instead (engines/titan/model.py `hf_weight_rows`), and every rank writes them.
+    (its handle is in TorchStore). `adapter` ({"scale": ...}) says the tensors are LoRA adapters, which the
+    generators merge into their base weights. Where the publisher says `every_rank_writes`, the trainer may
+    pass `rows=True` with each rank's iterator giving (first row, its own rows) instead
+    (engines/titan/hf_weights.py `hf_weight_rows`), and every rank writes them.
     """
 
     every_rank_writes = False
 
-    async def publish(self, shapes: dict, tensors, version: int) -> None:
+    async def publish(self, shapes: dict, tensors, version: int, rows: bool = False, adapter: dict | None = None) -> None:
         raise NotImplementedError
 
     async def sent(self) -> None:

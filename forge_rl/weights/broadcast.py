@@ -77,7 +77,7 @@ class Publisher(base.Publisher):
         if self.rank == 0:
             self.group = join_group(rendezvous, port, 0, world, bind)
 
-    async def publish(self, shapes: dict, tensors, version: int) -> None:
+    async def publish(self, shapes: dict, tensors, version: int, rows: bool = False, adapter: dict | None = None) -> None:
         if self.rank != 0:
             return
         if self.group is None:
@@ -86,7 +86,7 @@ class Publisher(base.Publisher):
         tensors = list(tensors)  # sharded: gathered now; else the parameters themselves
         layout, nbytes = make_layout(shapes)
         self.sending = asyncio.ensure_future(asyncio.to_thread(broadcast_send, self.group, tensors))
-        handle = WeightsHandle("broadcast", version, socket.gethostname(), layout=layout, nbytes=nbytes)
+        handle = WeightsHandle("broadcast", version, socket.gethostname(), layout=layout, nbytes=nbytes, adapter=adapter or {})
         await control.put_handle(handle.as_dict(), version)
 
     async def sent(self) -> None:

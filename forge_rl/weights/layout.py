@@ -35,6 +35,7 @@ class WeightsHandle:
     token: int = 0  # shm: random per write; the buffer's header holds it while the bytes are this version's
     layout: list = field(default_factory=list)  # [(name, dtype, shape, byte offset into the payload)]
     nbytes: int = 0  # payload bytes
+    adapter: dict = field(default_factory=dict)  # LoRA: {"scale": alpha / rank}; the bytes are adapters, not weights
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

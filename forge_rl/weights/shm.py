@@ -61,7 +61,7 @@ class SharedBuffers:
         self.fill(state_dict.values(), handle)
         return handle
 
-    def claim(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightsHandle:
+    def claim(self, state_dict: dict[str, torch.Tensor], version: int, adapter: dict | None = None) -> WeightsHandle:
         """The handle of `version` in buffer version % 2 once `fill` has written it (the buffers are
         allocated on first use; `state_dict`'s tensors may be meta: only shapes and dtypes are read).
         Readers given the handle earlier refuse the buffer: its header holds another token."""
@@ -69,7 +69,7 @@ class SharedBuffers:
         if nbytes > self.nbytes:
             self._allocate(nbytes)
         token = secrets.randbits(62) + 1
-        return WeightsHandle("shm", version, socket.gethostname(), self.paths[version % 2], token, layout, nbytes)
+        return WeightsHandle("shm", version, socket.gethostname(), self.paths[version % 2], token, layout, nbytes, adapter or {})
 
     def fill(self, tensors: Iterable[torch.Tensor], handle: WeightsHandle) -> None:
         """Copy `tensors` (in the claimed state dict's order) into the buffer `handle` claimed; its header
@@ -238,11 +238,11 @@ class Publisher(base.Publisher):
             dist.all_gather_object(hosts, socket.gethostname())
             self.every_rank_writes = len(set(hosts)) == 1
 
-    async def publish(self, shapes: dict, tensors, version: int) -> None:
-        if self.every_rank_writes:
+    async def publish(self, shapes: dict, tensors, version: int, rows: bool = False, adapter: dict | None = None) -> None:
+        if rows:
             await self._write_own_rows(shapes, tensors, version)
         elif self.rank == 0:
-            handle = self.buffers.claim(shapes, version)
+            handle = self.buffers.claim(shapes, version, adapter)
             written, put = await asyncio.gather(asyncio.to_thread(self.buffers.fill, tensors, handle),
                                                 control.put_handle(handle.as_dict(), version), return_exceptions=True)
             await settle_handle(version, written, put)

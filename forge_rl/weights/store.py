@@ -28,17 +28,18 @@ class Publisher(base.Publisher):
     def __init__(self, rank: int, world: int, device):
         self.rank = rank
 
-    async def publish(self, shapes: dict, tensors, version: int) -> None:
+    async def publish(self, shapes: dict, tensors, version: int, rows: bool = False, adapter: dict | None = None) -> None:
         if self.rank == 0:
             await control.put_state_dict(dict(zip(shapes, tensors, strict=True)), version)
-            await control.put_handle(WeightsHandle("store", version).as_dict(), version)
+            nbytes = sum(t.numel() * t.element_size() for t in shapes.values())
+            await control.put_handle(WeightsHandle("store", version, nbytes=nbytes, adapter=adapter or {}).as_dict(), version)
 
 
 async def stage(version: int, handle: dict | None, engine, prefix: str) -> tuple[str, tuple, Path]:
     """Generator: fetch the state dict and write it to a file the vLLM workers read (deleted after)."""
     state_dict = await control.get_state_dict(version, prefix=prefix)
     path = await asyncio.to_thread(write_weights_file, state_dict)
-    return "load_weights_file", (str(path),), path
+    return "load_weights_file", (str(path), (handle or {}).get("adapter", {})), path
 
 
 def write_weights_file(state_dict: dict[str, torch.Tensor]) -> Path:

@@ -148,6 +148,28 @@ class OptimizerConfig:
         _non_negative(self, key, "weight_decay", "warmup_steps")
 
 
+LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # HF names
+
+
+@dataclass
+class LoraConfig:
+    """LoRA (engines/titan/lora.py): only these low-rank adapters train; the generators serve base + adapters."""
+
+    rank: int = 16
+    alpha: float = 32.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(LINEAR_LAYERS))  # HF names of the adapted layers
+
+    def check(self, key):
+        _positive(self, key, "rank", "alpha")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"{key}.dropout: expected in [0, 1), got {self.dropout}")
+        unknown = [m for m in self.target_modules if m not in LINEAR_LAYERS]
+        if unknown or not self.target_modules:
+            raise ConfigError(f"{key}.target_modules: {unknown[0] if unknown else 'none'!r} is not a linear layer "
+                              f"(known: {', '.join(LINEAR_LAYERS)})")
+
+
 @dataclass
 class TrainerConfig:
     procs: int = 1  # ranks per host; > 1 in all shards with FSDP2
@@ -158,6 +180,7 @@ class TrainerConfig:
     timeout_s: float = 3600.0  # per call to the trainer (train step, weights push, checkpoint)
     restart_on_failure: bool = False  # the trainer's processes died: start again from the last checkpoint
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lora: Optional[LoraConfig] = None  # None: full fine-tuning
 
     def check(self, key):
         _positive(self, key, "procs", "hosts", "micro_batch_size", "max_steps", "timeout_s")

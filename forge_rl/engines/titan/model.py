@@ -11,7 +11,7 @@ ids, position t of every [B, T] tensor is about token t).
 
 import json
 import os
-from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -20,7 +20,6 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
 from torchtitan.models.llama3 import Transformer as Llama3Model
 from torchtitan.models.llama3 import TransformerModelArgs as Llama3ModelArgs
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
@@ -28,9 +27,8 @@ from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAda
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
-from forge_rl.compat.torch import shard_row_offset
 from forge_rl.core.loss import token_logprobs
-from forge_rl.weights.layout import fused_order
+from forge_rl.engines.titan.lora import apply_lora, initial_state, lora_layers, with_base_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -134,13 +132,13 @@ def init_distributed() -> tuple[int, int, torch.device]:
 # ---------------------------------------------------------------------------- the model
 
 
-def build_model(hf_dir: str | Path, device: torch.device, dtype: str = "float32", shard: bool | None = None):
+def build_model(hf_dir: str | Path, device: torch.device, dtype: str = "float32", shard: bool | None = None, lora=None):
     """TorchTitan model holding the HF checkpoint's weights; returns (model, adapter).
 
-    Built on the meta device, sharded with FSDP2 over all ranks when there is more than one
-    (`shard` overrides), then materialised and filled from the HF safetensors. Parameters stay
-    fp32 (the optimizer's master copy); `dtype` is the compute dtype: FSDP's mixed precision
-    when sharded, autocast otherwise (see `autocast`).
+    Built on the meta device, with LoRA layers when `lora` (a LoraConfig) is given (lora.py), sharded with
+    FSDP2 over all ranks when there is more than one (`shard` overrides), then materialised and filled from
+    the HF safetensors (and the adapters' starting values). Parameters stay fp32 (the optimizer's master
+    copy); `dtype` is the compute dtype: FSDP's mixed precision when sharded, autocast otherwise.
     """
     hf_dir = Path(hf_dir)
     hf_config = json.loads((hf_dir / "config.json").read_text())
@@ -149,15 +147,17 @@ def build_model(hf_dir: str | Path, device: torch.device, dtype: str = "float32"
         raise ValueError(f"{hf_dir}: model_type {family!r} not supported; add it to MODEL_FAMILIES ({sorted(MODEL_FAMILIES)})")
     make_args, model_cls, adapter_cls = MODEL_FAMILIES[family]
     args = make_args(hf_config)
+    adapter = adapter_cls(args, str(hf_dir))
     with torch.device("meta"):
         model = model_cls(args)
+    if lora is not None:
+        apply_lora(model, adapter, lora)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if shard if shard is not None else world > 1:
         shard_model(model, init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",)), dtype)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=device)  # recomputes the rope cache; weights overwritten below
-    adapter = adapter_cls(args, str(hf_dir))
     load_hf_weights(model, adapter, hf_dir)
     return model, adapter
 
@@ -189,70 +189,9 @@ def load_hf_weights(model: torch.nn.Module, adapter, hf_dir: Path) -> None:
     if not hf_state:
         raise FileNotFoundError(f"{hf_dir}: no *.safetensors weights found")
     state = {k: v.float() for k, v in adapter.from_hf(hf_state).items()}
+    if lora_layers(model):
+        state = with_base_names(state, model) | initial_state(model)
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
-
-
-def hf_weights(model: torch.nn.Module, adapter, dtype: str = "float32") -> tuple[dict[str, torch.Tensor], Iterator[torch.Tensor]]:
-    """The model's weights under HF names, one tensor at a time, for the weight sync: (HF name -> a meta
-    tensor of its shape and dtype, in `fused_order`; an iterator over the tensors themselves, in that order).
-
-    Collective when sharded: every rank must exhaust the iterator. Each step casts one parameter's shard
-    to `dtype` and gathers it (`DTensor.full_tensor()`), so the caller copies it where it goes (a shared
-    memory buffer, the broadcast's) and no rank ever holds a second whole copy of the model, as
-    get_model_state_dict's full state dict is. An unsharded model gives its parameters themselves (no copy
-    in fp32), on whatever device they live."""
-    target = DTYPES[dtype]
-    shapes, sources, _ = hf_sources(model, adapter, target)
-
-    def tensors() -> Iterator[torch.Tensor]:
-        for hf_name in shapes:
-            yield gathered(adapter, *sources[hf_name], hf_name, target)
-
-    return shapes, tensors()
-
-
-def hf_weight_rows(model: torch.nn.Module, adapter, dtype: str = "float32") -> tuple[dict[str, torch.Tensor], Iterator]:
-    """`hf_weights` for a sharded trainer whose ranks all write into one shared-memory buffer: each step
-    gives (first row, tensor) for this rank to copy there. A parameter sharded by rows (FSDP2's Shard(0))
-    that HF only renames gives this rank's own rows, cast, with no communication at all; any other is
-    gathered as by `hf_weights`: (0, the whole tensor) on rank 0, (0, None) elsewhere. Collective."""
-    target = DTYPES[dtype]
-    shapes, sources, renamed = hf_sources(model, adapter, target)
-    rank = dist.get_rank()
-
-    def rows() -> Iterator[tuple[int, torch.Tensor | None]]:
-        for hf_name in shapes:
-            name, param = sources[hf_name]
-            if hf_name in renamed and isinstance(param, DTensor) and param.device_mesh.ndim == 1 and param.placements == (Shard(0),):
-                yield shard_row_offset(param), param.to_local().to(target)
-            else:
-                tensor = gathered(adapter, name, param, hf_name, target)
-                yield 0, tensor if rank == 0 else None
-
-    return shapes, rows()
-
-
-def hf_sources(model: torch.nn.Module, adapter, target: torch.dtype) -> tuple[dict, dict, set]:
-    """(HF name -> meta tensor, in `fused_order`; HF name -> (TorchTitan name, parameter); the HF names that
-    are their parameter only renamed). From `model.state_dict()`: detached, DTensor shards when sharded,
-    no communication; `adapter.to_hf` is per key, so it maps meta tensors as well."""
-    shapes, sources, renamed = {}, {}, set()
-    for name, param in model.state_dict().items():
-        meta = torch.empty(param.shape, dtype=target, device="meta")
-        for hf_name, hf_meta in adapter.to_hf({name: meta}).items():
-            sources[hf_name], shapes[hf_name] = (name, param), hf_meta
-            if hf_meta is meta:
-                renamed.add(hf_name)
-    return fused_order(shapes), sources, renamed
-
-
-def gathered(adapter, name: str, param: torch.Tensor, hf_name: str, target: torch.dtype) -> torch.Tensor:
-    """One HF tensor whole: cast (before the gather, so it moves fewer bytes), gathered when sharded, then
-    converted (renames, and Llama's q/k permutation)."""
-    param = param.to(target)
-    if isinstance(param, DTensor):
-        param = param.full_tensor()
-    return adapter.to_hf({name: param})[hf_name]
 
 
 def autocast(device: torch.device, dtype: str):
@@ -309,6 +248,35 @@ def sampling_logprobs(
     lp = logp.gather(-1, index.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     outside = -1e9 / temperature - torch.logsumexp(logits.float(), dim=-1)
     return torch.where(index >= 0, lp, outside), logits
+
+
+@contextmanager
+def scoring_head(model: torch.nn.Module, index: torch.Tensor):
+    """Within it, `model(tokens)` ([B, T] ids) returns logits only at the flat positions `index` of its [B * T]
+    outputs: [len(index), V]. The output head sees only those hidden states (a hook on its input: the module
+    tree, and so FSDP's parameter names, stay as they are)."""
+    handle = model.output.register_forward_pre_hook(lambda module, args: (args[0].flatten(0, 1)[index],))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def scored_logprobs(
+    logits: torch.Tensor, which: torch.Tensor, targets: torch.Tensor, allowed_token_ids: list[int] | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy of the sampling distribution (see `sampling_logprobs`) for N tokens: token i is
+    `targets[i]`, predicted by row `which[i]` of `logits` [U, V]. Returns ([N], [N]). Constrained decoding's
+    softmax covers the allowed ids only, as vLLM's `allowed_token_ids` does; a trained token is one of them."""
+    if allowed_token_ids is not None:
+        allowed = torch.as_tensor(list(allowed_token_ids), device=logits.device)
+        column = torch.full((int(allowed.max()) + 1,), -1, dtype=torch.long, device=logits.device)
+        column[allowed] = torch.arange(len(allowed), device=logits.device)
+        logits, targets = logits.index_select(-1, allowed), column[targets]
+    logp = torch.log_softmax(sampling_logits(logits, None, temperature).float(), dim=-1)  # [U, K]
+    entropy = -(logp.exp() * logp).sum(-1)  # [U]
+    return logp[which, targets], entropy[which]
 
 
 def sequence_logprobs(

@@ -13,6 +13,7 @@ micro-batch instead), tensor/pipeline parallelism, activation checkpointing, tor
 """
 
 import asyncio
+import contextlib
 import math
 from collections import defaultdict
 
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from monarch.actor import endpoint
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config import LRScheduler as TitanLRSchedulerConfig
@@ -29,18 +30,21 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.utils import clip_grad_norm_
 
 from forge_rl.compat.torch import set_scheduler_lr
-from forge_rl.core.config import OptimizerConfig
+from forge_rl.core.config import LoraConfig, OptimizerConfig
 from forge_rl.core.types import Episode
+from forge_rl.engines.titan import lora
+from forge_rl.engines.titan.export import export_hf
+from forge_rl.engines.titan.hf_weights import hf_adapter_weights, hf_weight_rows, hf_weights
 from forge_rl.engines.titan.model import (
     autocast,
     build_model,
-    hf_weight_rows,
-    hf_weights,
     init_distributed,
     logprobs_of,
     pad_right,
-    sequence_logprobs,
+    scored_logprobs,
+    scoring_head,
 )
+from forge_rl.engines.titan.scoring import ForwardPlan, plan_forward, scored_positions
 from forge_rl.runtime.actor import ForgeActor
 from forge_rl.weights import make_publisher
 from forge_rl.weights.shm import drain
@@ -81,11 +85,12 @@ class Trainer(ForgeActor):
         allowed_token_ids: list[int] | None = None,  # the generator's sampling restriction, if any
         temperature: float = 1.0,  # the generator's sampling temperature (model.py `sampling_logits`)
         weight_sync: str = "store",  # the planned transport of push_weights: shm | broadcast | store
+        lora: LoraConfig | None = None,  # train LoRA adapters only (lora.py); None: every weight
     ):
         self.model_path, self.loss_fn, self.optim_config = model_path, loss_fn, optimizer
         self.max_steps, self.dtype, self.micro_batch_size = max_steps, dtype, micro_batch_size
         self.allowed_token_ids, self.temperature = allowed_token_ids, temperature
-        self.weight_sync = weight_sync
+        self.weight_sync, self.lora = weight_sync, lora
         self.policy_version = 0  # the last version pushed (setup and load_checkpoint set it too)
 
     @endpoint
@@ -95,7 +100,7 @@ class Trainer(ForgeActor):
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads() // self.world))
         self.publisher = make_publisher(self.weight_sync, self.rank, self.world, self.device)
-        self.model, self.adapter = build_model(self.model_path, self.device, self.dtype)
+        self.model, self.adapter = build_model(self.model_path, self.device, self.dtype, lora=self.lora)
         self.model.train()
         o = self.optim_config
         titan_optim = TitanOptimizerConfig(
@@ -128,10 +133,12 @@ class Trainer(ForgeActor):
             raise ValueError("Trainer.train_step: this trainer was built without a loss_fn")
         t = self._tensors(batch, self.loss_fn.advantages(batch), ref_logprobs)
         denominator = self.loss_fn.prepare(t)
+        mine = self._my_rows(len(batch))
+        plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
         total_loss, tokens = 0.0, 0.0
         sums, lows, highs = defaultdict(float), {}, {}
-        for piece, weight in self._micro_batches(len(batch)):
-            loss, m = self._forward_loss(t, piece, weight, denominator)
+        for rows, weight in self._micro_batches(plan.rows):
+            loss, m = self._forward_loss(t, plan, rows, plan.served_by(rows, mine) if weight else [], weight, denominator)
             loss.backward()
             n = m.pop("num_tokens").item()
             total_loss, tokens = total_loss + loss.item(), tokens + n
@@ -168,19 +175,23 @@ class Trainer(ForgeActor):
     async def push_weights(self, version: int) -> int:
         """All ranks (collective when sharded). The HF-named weights go by the planned transport, each tensor
         gathered as its turn comes (or, into shared memory on one host, each rank's own rows with no gather),
-        and the version's handle goes into TorchStore (forge_rl/weights/). Returns once generators can fetch
-        it (a broadcast is then under way and completes as they take it; the next push and the next optimizer
-        step wait for it): the number of tensors on rank 0, 0 elsewhere."""
-        rows = self.publisher.every_rank_writes
-        shapes, tensors = (hf_weight_rows if rows else hf_weights)(self.model, self.adapter, self.dtype)
+        and the version's handle goes into TorchStore (forge_rl/weights/); with LoRA, the adapters alone.
+        Returns once generators can fetch it (a broadcast is then under way and completes as they take it; the
+        next push and the next optimizer step wait for it): the bytes published, on every rank."""
+        adapter, rows = None, self.publisher.every_rank_writes and not self.lora
+        if self.lora:
+            shapes, tensors = hf_adapter_weights(self.model, self.adapter, self.dtype)
+            adapter = {"scale": lora.scale(self.model)}
+        else:
+            shapes, tensors = (hf_weight_rows if rows else hf_weights)(self.model, self.adapter, self.dtype)
         try:
-            await self.publisher.publish(shapes, tensors, version)
+            await self.publisher.publish(shapes, tensors, version, rows, adapter)
         finally:  # whatever failed on one rank: the others wait in its gathers and at the barrier
             await asyncio.to_thread(drain, tensors)
             if dist.is_initialized():
                 dist.barrier()
         self.policy_version = version
-        return len(shapes) if self.rank == 0 else 0
+        return sum(t.numel() * t.element_size() for t in shapes.values())
 
     @endpoint
     async def join_weights_group(self, rendezvous: str, port: int, world: int, bind: str) -> None:
@@ -189,16 +200,24 @@ class Trainer(ForgeActor):
         await asyncio.to_thread(self.publisher.join, rendezvous, port, world, bind)
 
     @endpoint
-    async def logprobs(self, token_ids: list[torch.Tensor]) -> list[torch.Tensor]:
+    async def logprobs(self, token_ids: list[torch.Tensor], base: bool = False) -> list[torch.Tensor]:
         """All ranks (collective when sharded; all return the same). Current policy's per-token
-        log-probs, each [T] aligned with its ids (position 0 is 0)."""
+        log-probs, each [T] aligned with its ids (position 0 is 0). `base`: of the model without its LoRA
+        adapters, the reference policy of the KL term under LoRA."""
         self.model.eval()
         try:
-            return logprobs_of(
-                self.model, token_ids, self.device, self.dtype, self.micro_batch_size, self.allowed_token_ids, self.temperature
-            )
+            with lora.adapters_off(self.model) if base else contextlib.nullcontext():
+                return logprobs_of(
+                    self.model, token_ids, self.device, self.dtype, self.micro_batch_size, self.allowed_token_ids, self.temperature
+                )
         finally:
             self.model.train()
+
+    @endpoint
+    async def export_hf(self, path: str) -> None:
+        """All ranks (they gather the weights together); rank 0 writes a plain HF directory at `path`:
+        export.py."""
+        export_hf(self.model, self.adapter, self.model_path, path, self.lora)
 
     @endpoint
     async def save_checkpoint(self, path: str) -> None:
@@ -213,7 +232,7 @@ class Trainer(ForgeActor):
         await self.publisher.sent()
         state = self._checkpoint_state()
         dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(self.model, state["model"])
+        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=not self.lora))
         self.optimizers.load_state_dict(state["optimizer"])
         self.lr_schedulers.load_state_dict(state["lr_scheduler"])
         self._apply_schedule()
@@ -228,8 +247,10 @@ class Trainer(ForgeActor):
     # ------------------------------------------------------------------------ helpers
 
     def _checkpoint_state(self) -> dict:
+        """With LoRA the model's part is the adapters alone: the base weights are the model directory's."""
+        model = get_model_state_dict(self.model)
         return {
-            "model": get_model_state_dict(self.model),
+            "model": {k: v for k, v in model.items() if ".lora_" in k} if self.lora else model,
             "optimizer": self.optimizers.state_dict(),
             "lr_scheduler": self.lr_schedulers.state_dict(),
             "progress": {"step": self.step, "policy_version": self.policy_version},
@@ -265,47 +286,59 @@ class Trainer(ForgeActor):
             t["ref"] = pad(ref_logprobs, torch.float32)
         return t
 
-    def _forward_loss(self, t: dict, rows: torch.Tensor, weight: float, denominator: float):
-        """The loss of some rows, trimmed to their longest episode; position 0 is dropped (nothing predicts it)."""
-        length = max(2, int(t["lengths"][rows].max()))
-        piece = {k: t[k][rows, 1:length].to(self.device) for k in ("mask", "behaviour", "ages", "ref") if k in t}
+    def _forward_loss(self, t: dict, plan: ForwardPlan, rows: list[int], episodes: list[int], weight: float, denominator: float):
+        """The loss of `episodes` from one forward of the `rows` that serve them (scoring.py); `piece` holds
+        their [B, T] tensors from position 1, and the log-probs and entropies of their trained tokens."""
+        lp, entropy, width, anchor = self._score(t, plan, rows, episodes)
+        piece = {k: t[k][episodes, 1 : width + 1].to(self.device) for k in ("mask", "behaviour", "ages", "ref") if k in t}
         piece["mask"] = piece["mask"] * weight
-        piece["advantages"] = t["advantages"][rows].to(self.device)
-        with autocast(self.device, self.dtype):
-            lp, logits = sequence_logprobs(
-                self.model, t["tokens"][rows, :length].to(self.device), True, self.allowed_token_ids, self.temperature
-            )
-        return self.loss_fn(lp[:, 1:], piece, logits, denominator)
+        piece["advantages"] = t["advantages"][episodes].to(self.device)
+        loss, metrics = self.loss_fn(lp, piece, entropy, denominator)
+        return loss + anchor, metrics
+
+    def _score(self, t: dict, plan: ForwardPlan, rows: list[int], episodes: list[int]):
+        """One forward of `rows`, the output head only where a trained token of `episodes` is predicted.
+        Returns their log-probs and entropies as [len(episodes), width] (column j: position j + 1, 0 where
+        nothing is trained), the width, and a zero that ties every parameter to the loss: a rank whose piece
+        trains nothing still runs the backward, whose collectives the other ranks of FSDP wait for."""
+        width = max([plan.needed[b] for b in episodes] + [1])
+        slots, positions, index, which = scored_positions(plan, t["mask"], episodes, rows, width)
+        with autocast(self.device, self.dtype), scoring_head(self.model, index.to(self.device)):
+            logits = self.model(t["tokens"][rows, :width].to(self.device))  # [len(index), V]
+        targets = t["tokens"][episodes][slots, positions].to(self.device)
+        lp_tokens, entropy_tokens = scored_logprobs(logits, which.to(self.device), targets, self.allowed_token_ids, self.temperature)
+        lp = torch.zeros(len(episodes), width, device=self.device)
+        entropy = torch.zeros(len(episodes), width, device=self.device)
+        lp[slots, positions - 1], entropy[slots, positions - 1] = lp_tokens, entropy_tokens
+        return lp, entropy, width, 0.0 * logits.float().sum()
 
     def _imitation_backward(self, episodes: list[Episode], coef: float) -> float:
         """Backward of coef x the mean NLL of the episodes' sampled tokens (their loss_mask); returns that NLL.
         Micro-batched and split over ranks as the main loss is."""
-        length = max(len(e.tokens) for e in episodes)
-        tokens = pad_right([torch.as_tensor(e.tokens, dtype=torch.long) for e in episodes], length)
-        mask = pad_right([torch.as_tensor(e.loss_mask, dtype=torch.float32) for e in episodes], length)
-        mask[:, 0] = 0  # the first token has no prediction to train
-        lengths = torch.tensor([len(e.tokens) for e in episodes])
-        denominator = mask.sum().clamp(min=1).item()
+        t = self._tensors(episodes, torch.zeros(len(episodes)), None)
+        denominator = t["mask"].sum().clamp(min=1).item()
+        mine = self._my_rows(len(episodes))
+        plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
         nll = 0.0
-        for piece, weight in self._micro_batches(len(episodes)):
-            end = max(2, int(lengths[piece].max()))
-            with autocast(self.device, self.dtype):
-                lp, _ = sequence_logprobs(
-                    self.model, tokens[piece, :end].to(self.device), False, self.allowed_token_ids, self.temperature
-                )
-            piece_nll = -(lp[:, 1:] * mask[piece, 1:end].to(self.device)).sum() * weight / denominator
-            (coef * piece_nll).backward()
+        for rows, weight in self._micro_batches(plan.rows):
+            served = plan.served_by(rows, mine) if weight else []
+            lp, _, width, anchor = self._score(t, plan, rows, served)
+            piece_nll = -(lp * t["mask"][served, 1 : width + 1].to(self.device)).sum() * weight / denominator
+            (coef * piece_nll + anchor).backward()
             nll += piece_nll.item()
         return self._all_sum({"nll": nll})["nll"]
 
-    def _micro_batches(self, n: int):
-        """This rank's rows of a batch of n, as (rows, loss weight) micro-batches. Every rank runs the same
-        number of forward/backward passes (FSDP's collectives pair up); a rank short of rows runs row 0
-        with its loss weighted 0."""
-        rows = torch.tensor_split(torch.arange(n), self.world)[self.rank]  # sizes differ by at most one
+    def _micro_batches(self, rows: list[int]):
+        """`rows` (this rank's forward rows) as (rows, loss weight) micro-batches. Every rank runs the same
+        number of forward/backward passes (FSDP's collectives pair up); a rank short of rows runs row 0 of the
+        batch with its loss weighted 0."""
         n_micro = max(1, int(self._all_max({"n": math.ceil(len(rows) / self.micro_batch_size)})["n"]))
-        for piece in torch.tensor_split(rows, n_micro):
-            yield (piece, 1.0) if len(piece) else (torch.tensor([0]), 0.0)
+        for piece in torch.tensor_split(torch.tensor(rows, dtype=torch.long), n_micro):
+            yield (piece.tolist(), 1.0) if len(piece) else ([0], 0.0)
+
+    def _my_rows(self, n: int) -> list[int]:
+        """This rank's contiguous slice of a batch of n (sizes differ by at most one)."""
+        return torch.tensor_split(torch.arange(n), self.world)[self.rank].tolist()
 
     def _all_max(self, values: dict[str, float]) -> dict[str, float]:
         return self._all_reduce(values, dist.ReduceOp.MAX)

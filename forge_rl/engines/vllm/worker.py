@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,7 +37,7 @@ from safetensors import safe_open
 
 from forge_rl.compat import require
 from forge_rl.weights import broadcast, shm
-from forge_rl.weights.layout import StaleWeightsError, WeightsHandle, tensor_views
+from forge_rl.weights.layout import StaleWeightsError, WeightsHandle, fused_order, make_layout, tensor_views
 
 # The loads below reach into vLLM's model runner, its layers' quant methods and CPU GEMM dispatch.
 require("vllm", "0.32.0", __name__)
@@ -45,13 +46,17 @@ require("vllm", "0.32.0", __name__)
 class WeightSyncExtension:
     """Mixed into vLLM's worker class; `self` is the worker (it has `reload_weights`)."""
 
-    def load_weights_file(self, path: str) -> int:
-        """Every worker, blocking the engine: load HF-named weights from the safetensors file at `path`.
+    def load_weights_file(self, path: str, adapter: dict | None = None) -> int:
+        """Every worker, blocking the engine: load HF-named weights from the safetensors file at `path`
+        (LoRA adapters, merged here, when `adapter` gives their scale).
 
         Returns the number of tensors read. The caller must keep requests off the engine meanwhile
         and reset the prefix cache after (cached KV blocks were computed with the old weights).
         """
         self.finish_loading()
+        if adapter:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                return self._load(self._merged({name: f.get_tensor(name) for name in f.keys()}, adapter["scale"]))
         loaded = 0
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
@@ -87,6 +92,12 @@ class WeightSyncExtension:
             finally:
                 os.close(lock)
 
+        if handle.adapter:
+            try:
+                views = self._merged(views, handle.adapter["scale"])
+            finally:
+                read_all()
+            return self._load(views)
         return self._load(views, read_all)
 
     def join_weights_group(self, rendezvous: str, port: int, first_rank: int, world: int, bind: str) -> int:
@@ -113,7 +124,32 @@ class WeightSyncExtension:
         handle = WeightsHandle(**handle)
         if getattr(self, "weights_staged_version", None) != handle.version:
             raise StaleWeightsError(f"version {handle.version} was not received by broadcast")
-        return self._load(dict(tensor_views(self.weights_staging, handle.layout)))
+        views = dict(tensor_views(self.weights_staging, handle.layout))
+        return self._load(self._merged(views, handle.adapter["scale"]) if handle.adapter else views)
+
+    def _merged(self, adapters: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+        """LoRA: every weight of the model, base + scale * B @ A where `adapters` (HF-named lora_A and lora_B
+        tensors) has an adapter, else the base's, written into a buffer this worker keeps and laid out as
+        weight sync lays out a full version (`fused_order`), so that it loads as one. The base is the model
+        directory's weights, read once: only adapters travel from the trainer."""
+        if getattr(self, "lora_base", None) is None:
+            self.lora_base = {}
+            for file in sorted(Path(self.vllm_config.model_config.model).glob("*.safetensors")):
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    self.lora_base.update({name: f.get_tensor(name) for name in f.keys()})
+            device = next(self.model_runner.get_model().parameters()).device
+            dtype = self.vllm_config.model_config.dtype
+            self.lora_base = fused_order({k: v.to(device, dtype) for k, v in self.lora_base.items()})
+            layout, nbytes = make_layout(self.lora_base)
+            self.lora_staging = (torch.empty(nbytes, dtype=torch.uint8, device=device), layout)
+        buffer, layout = self.lora_staging
+        views = dict(tensor_views(buffer, layout))
+        for name, view in views.items():
+            view.copy_(self.lora_base[name])
+            a, b = adapters.get(name.replace(".weight", ".lora_A.weight")), adapters.get(name.replace(".weight", ".lora_B.weight"))
+            if a is not None:
+                view.addmm_(b.to(view), a.to(view), alpha=scale)
+        return views
 
     def _load(self, views: dict[str, torch.Tensor], read_all=lambda: None) -> int:
         """Load HF-named `views` of a buffer into the engine; returns how many. `read_all()` runs once

@@ -31,6 +31,8 @@ class Learner:
         ref_logprobs, imitate = None, None
         if self.reference is not None:
             ref_logprobs = await self.reference.route("logprobs", [e.tokens for e in batch])
+        elif self.cfg.grpo.kl_coef > 0:  # LoRA: the reference is the trainer's base model, adapters off
+            ref_logprobs = await call(self.trainer, "logprobs", [e.tokens for e in batch], True, timeout_s=self.cfg.trainer.timeout_s)
         if self.imitation is not None:
             self.imitation.add_batch(batch)
             imitate = self.imitation.sample(self.cfg.grpo.self_imitation.episodes)
@@ -54,10 +56,11 @@ class Learner:
         return figures
 
     async def publish(self, version: int) -> dict[str, float]:
-        """The trainer's weights out as `version`, loaded by every healthy generator (a restarting one
-        catches up by itself: engines/vllm/generator.py `catch_up`); returns how long each half took."""
+        """The trainer's weights (with LoRA, its adapters) out as `version`, loaded by every healthy generator
+        (a restarting one catches up by itself: engines/vllm/generator.py `catch_up`); returns how long each
+        half took and the bytes that travelled."""
         clock = time.perf_counter()
-        await call(self.trainer, "push_weights", version, timeout_s=self.cfg.trainer.timeout_s)
+        nbytes = await call(self.trainer, "push_weights", version, timeout_s=self.cfg.trainer.timeout_s)
         pushed = time.perf_counter()
         await self.policy.fanout("update_weights", version)
-        return {"time/push_weights_s": pushed - clock, "time/update_weights_s": time.perf_counter() - pushed}
+        return {"time/push_weights_s": pushed - clock, "time/update_weights_s": time.perf_counter() - pushed, "weight_sync/bytes": nbytes}

@@ -162,11 +162,11 @@ async def train(job: Job, progress, workers: list[asyncio.Task]) -> None:
         if cfg.eval.interval and (state.step % cfg.eval.interval == 0 or state.step == cfg.trainer.max_steps):  # and the final policy
             values.update(await job.evaluation())
             progress.write(f"step {state.step} {figures(job.evaluation.last)}  |  reference: {figures(job.evaluation.references) or 'none'}")
+        if cfg.trainer.checkpoint_every and (state.step % cfg.trainer.checkpoint_every == 0 or state.step == cfg.trainer.max_steps):
+            # and at the end, so that a run can be continued with more steps
+            values.update(await save_checkpoint(job.learner.trainer, cfg.run_dir, state, cfg.trainer.timeout_s))
         job.metrics.log(state.step, values)
         progress.update(1)
         # The app's headline figures (the first two of its evaluation) as of the last evaluation.
         headline = {k.split("/")[-1]: f"{v:+.3f}" for k, v in list(job.evaluation.last.items())[:2]}
         progress.set_postfix(reward=f"{reward:+.3f}", **headline, eps=f"{values['train/episodes_per_s']:.1f}/s")
-        if cfg.trainer.checkpoint_every and (state.step % cfg.trainer.checkpoint_every == 0 or state.step == cfg.trainer.max_steps):
-            # and at the end, so that a run can be continued with more steps
-            await save_checkpoint(job.learner.trainer, cfg.run_dir, state, cfg.trainer.timeout_s)

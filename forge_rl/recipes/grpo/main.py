@@ -41,7 +41,7 @@ from forge_rl.rollout.evaluation import Evaluation, figures
 from forge_rl.rollout.play import answer_token_ids
 from forge_rl.rollout.rollouts import Rollouts
 from forge_rl.rollout.sessions import fit_sessions_to_server
-from forge_rl.runtime.actor import start_all, stop
+from forge_rl.runtime.actor import call, start_all, stop
 from forge_rl.runtime.provisioner import get_provisioner
 from forge_rl.weights import broadcast, control, shm
 from forge_rl.weights.plan import plan
@@ -58,7 +58,8 @@ async def start(cfg: RunConfig, app: App, url: str) -> Job:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     allowed = answer_token_ids(app, tokenizer) if cfg.sampling.constrained else None
     hosts = {"trainer": cfg.trainer.hosts, "generator": cfg.generator.hosts}
-    if cfg.grpo.kl_coef > 0:
+    with_reference = cfg.grpo.kl_coef > 0 and cfg.trainer.lora is None  # under LoRA the trainer's base model is it
+    if with_reference:
         hosts["reference"] = cfg.reference.hosts
     provisioner = get_provisioner()
     await provisioner.use_cluster(cfg.cluster, hosts)  # a no-op unless cluster.workers/kubernetes is set
@@ -79,14 +80,14 @@ async def start(cfg: RunConfig, app: App, url: str) -> Job:
         ).as_service(model_path, cfg.model.dtype, cfg.generator, cfg.seed),
         Trainer.options(procs=cfg.trainer.procs, with_gpus=gpus, hosts=cfg.trainer.hosts, role="trainer").as_actor(
             model_path, GRPOLoss(cfg.grpo), cfg.trainer.optimizer, cfg.trainer.max_steps, cfg.model.dtype,
-            micro_batch_size=cfg.trainer.micro_batch_size, weight_sync=sync.kind, **sampling,
+            micro_batch_size=cfg.trainer.micro_batch_size, weight_sync=sync.kind, lora=cfg.trainer.lora, **sampling,
         ),
         ReplayBufferActor.options().as_actor(  # synchronous: on-policy, no group of an older version is kept
             cfg.grpo.batch_size, 0 if cfg.synchronous else cfg.grpo.max_policy_age, filter_zero_spread=cfg.grpo.filter_zero_spread
         ),
         ReferenceModel.options(
             num_replicas=cfg.reference.num_replicas, with_gpus=gpus, hosts=cfg.reference.hosts, role="reference"
-        ).as_service(model_path, cfg.model.dtype, **sampling) if cfg.grpo.kl_coef > 0 else _none(),
+        ).as_service(model_path, cfg.model.dtype, **sampling) if with_reference else _none(),
     )
     if sync.kind == "broadcast":  # a replica restarted later is not in the group: its updates fail
         replicas = [r.actor for r in policy.replicas]
@@ -187,7 +188,9 @@ async def main(cfg: RunConfig) -> None:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
             progress.close()
-        print(f"done: {state.step} steps, policy version {state.version}")
+        final = run_dir / "final" / "hf"
+        await call(job.learner.trainer, "export_hf", str(final), timeout_s=cfg.trainer.timeout_s)
+        print(f"done: {state.step} steps, policy version {state.version}; the policy as an HF directory: {final}")
     finally:
         if job is not None and job.state.step:  # also after Ctrl-C: the curve of what was done
             labels = {f"{k.split('/')[-1]} {v:+.3f} on the evaluation seeds": v for k, v in job.evaluation.references.items()}

@@ -1,0 +1,85 @@
+"""A trained policy as a plain Hugging Face directory: what transformers, vLLM and PEFT load.
+
+    out/config.json, generation_config.json, the tokenizer files and chat template   copied from the model directory
+    out/model.safetensors                                                            the weights (LoRA merged in)
+    out/adapter/adapter_config.json, adapter_model.safetensors                       LoRA runs: the adapter alone, PEFT's layout
+
+Written into a temporary directory beside `out` and renamed at the end: an export that fails leaves nothing.
+`python -m forge_rl.checkpoint export RUN_DIR` exports a run's checkpoint the same way (forge_rl/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from forge_rl.engines.titan import lora as lora_layers
+
+PEFT_PREFIX = "base_model.model."
+
+
+def export_hf(model: torch.nn.Module, adapter, model_dir: str | Path, out: str | Path, lora=None) -> None:
+    """Every rank calls it (the weights are gathered); rank 0 writes `out` (replacing what was there)."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    model_dir, out = Path(model_dir), Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for file in model_dir.iterdir():  # config, generation config, tokenizer, chat template
+            if file.is_file() and not file.name.endswith((".safetensors", ".safetensors.index.json")):
+                shutil.copy(file, tmp / file.name)
+        weights = merged(state, model) if lora is not None else state
+        hf = {k: v.contiguous().clone() for k, v in adapter.to_hf(weights).items() if k in saved_names(model_dir)}
+        save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if lora is not None:
+            write_peft_adapter(state, model, adapter, lora, model_dir, tmp / "adapter")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def saved_names(model_dir: Path) -> set[str]:
+    """The tensor names of the model directory's checkpoint (a tied head is not among them)."""
+    names = set()
+    for file in model_dir.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def merged(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A full TorchTitan state dict of a model with LoRA layers -> the plain model's: W + scale * B @ A."""
+    scale = lora_layers.scale(model)
+    out = {k: v for k, v in state.items() if ".lora_" not in k and lora_layers.BASE not in k}
+    for name in lora_layers.lora_layers(model):
+        a, b = state[f"{name}.lora_A{lora_layers.ADAPTER}.weight"], state[f"{name}.lora_B{lora_layers.ADAPTER}.weight"]
+        out[f"{name}.weight"] = state[f"{name}{lora_layers.BASE}.weight"] + scale * (b.double() @ a.double()).to(a.dtype)
+    return out
+
+
+def write_peft_adapter(state, model, adapter, config, model_dir: Path, out: Path) -> None:
+    """The adapter alone in PEFT's layout (`PeftModel.from_pretrained(base, out)` loads it)."""
+    import peft
+
+    out.mkdir()
+    _, sources = lora_layers.hf_adapter_sources(model, adapter, torch.float32)
+    tensors = {}
+    for hf_name, (key, _, rows) in sources.items():
+        tensors[PEFT_PREFIX + hf_name] = (state[key] if rows is None else state[key][rows]).contiguous().clone()
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    peft_config = peft.LoraConfig(
+        r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, target_modules=list(config.target_modules),
+        task_type="CAUSAL_LM", base_model_name_or_path=str(model_dir),
+    )
+    peft_config.save_pretrained(str(out))

