@@ -38,7 +38,7 @@ async def serve(cfg) -> None:
 
     server = ChatServer(
         tokenizer, generate, sampling_params(cfg.sampling, allowed), sampling_params(cfg.sampling, allowed, greedy=True),
-        cfg.chat, cfg.generator.max_model_len,
+        cfg.chat, cfg.generator.max_model_len, cfg.model.chat_template_kwargs,
     )
     try:
         url = await server.start()

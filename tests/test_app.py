@@ -133,8 +133,9 @@ def test_train_checkpoint_resume_and_ctrl_c(tmp_path):
     assert not alive and not leftovers(shm_before), f"left behind by a run that ended: {alive} {leftovers(shm_before)}"
 
     rows = read_metrics(run_dir)
-    references = rows.pop(0)  # logged once at the start: the reference policies on the eval deals
+    references = rows.pop(0)  # logged once at the start: the reference policies on the eval deals, and the untrained policy
     assert references["step"] == 0 and -1 <= references["eval/reference/basic_strategy"] <= 1
+    assert references["eval/games"] == 16 and references["eval/invalid_rate"] == 0 and "eval/ev" in references
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     for row in rows:  # synchronous is on-policy: every group of a step sampled by the weights it trains
         assert row["train/policy_age"] == 0, "a synchronous step trained on data of an older version"
@@ -152,6 +153,7 @@ def test_train_checkpoint_resume_and_ctrl_c(tmp_path):
     assert abs(last["eval/ev_luck_corrected"] - corrected) < 1e-9
     assert last["train/invalid_rate"] == 0, "constrained decoding makes every answer valid"
     assert (run_dir / "learning_curve.png").stat().st_size > 1000
+    assert (run_dir / "final/hf/model.safetensors").is_file() and (run_dir / "checkpoints/step_000003/hf/config.json").is_file()
     assert "eval/ev" not in rows[0], "step 1 is neither on eval.interval nor the last step"
     assert "group_size: 4" in (run_dir / "config.yaml").read_text()
     assert list((run_dir / "tensorboard").iterdir())

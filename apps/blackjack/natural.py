@@ -17,20 +17,18 @@ from typing import Any
 from apps.blackjack.task import REFERENCE_EV, REFERENCE_POLICIES, _fields, card_value, eval_metrics, reward  # noqa: F401
 
 ACTIONS = ("Hit", "Stand")  # what constrained decoding samples: one token each
+SYSTEM_PROMPT = "You play blackjack."  # instead of a chat template's default (SmolLM2's names itself)
 _NAMES = {"HIT", "STAND"}
 
 
 def render_prompt(observation: Any) -> str:
-    """"You are playing blackjack. Your hand totals 17 (soft: it has an ace counted as 11). The dealer's
-    up card is 10. Do you hit or stand? Answer with one word: hit or stand." """
+    """"Blackjack. You have 17 (soft: an ace counts 11). The dealer shows 10. Hit or stand?": every word is
+    read by the model at every turn of every game, so a token less is a forward and a backward less."""
     obs = _fields(observation)
-    soft = " (soft: it has an ace counted as 11)" if obs["soft"] else ""
+    soft = " (soft: an ace counts 11)" if obs["soft"] else ""
     dealer = card_value(obs["dealer_card"])
     dealer = "an ace" if dealer == "A" else dealer
-    return (
-        f"You are playing blackjack. Your hand totals {obs['player_total']}{soft}. The dealer's up card is "
-        f"{dealer}. Do you hit or stand? Answer with one word: hit or stand."
-    )
+    return f"Blackjack. You have {obs['player_total']}{soft}. The dealer shows {dealer}. Hit or stand?"
 
 
 def parse_action(text: str, observation: Any = None) -> dict[str, str] | None:

@@ -13,7 +13,8 @@ action, and the end of an episode into a reward. It takes one of two forms:
 Either may add `eval_metrics(results, references) -> dict` (what an evaluation reports, its headline
 first; `results` have .reward and .invalid, `references` maps each reference policy's name to its mean
 reward on the evaluation seeds) and `REFERENCE_POLICIES` ({name: observation -> answer text or None},
-played on the evaluation seeds with the app's parse_action and reward).
+played on the evaluation seeds with the app's parse_action and reward). A TaskApp may set `SYSTEM_PROMPT`,
+the system message of its first turn (else the chat template's default, if it has one).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class App:
     multi_token_answers: bool = False  # ANSWER_VOCABULARY: an answer is up to sampling.max_tokens of them
     eval_metrics: Callable = mean_reward
     reference_policies: dict = field(default_factory=dict)
+    system_prompt: str | None = None  # SYSTEM_PROMPT: the first turn's system message (None: the template's own)
 
     @property
     def is_agent(self) -> bool:
@@ -89,6 +91,7 @@ def load_app(name: str, constrained: bool = False) -> App:
         multi_token_answers=bool(vocabulary),
         eval_metrics=getattr(module, "eval_metrics", mean_reward),
         reference_policies=dict(policies),
+        system_prompt=getattr(module, "SYSTEM_PROMPT", None),
     )
 
 

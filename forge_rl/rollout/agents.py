@@ -82,7 +82,8 @@ async def _start(rollouts) -> ChatAgents:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the agents' SDKs would log a line per request
     cfg = rollouts.cfg
     server = ChatServer(
-        rollouts.tokenizer, generate, rollouts.sampling(), rollouts.sampling(greedy=True), cfg.chat, cfg.generator.max_model_len
+        rollouts.tokenizer, generate, rollouts.sampling(), rollouts.sampling(greedy=True), cfg.chat, cfg.generator.max_model_len,
+        cfg.model.chat_template_kwargs,
     )
     await server.start()
     # The SDK's own client on aiohttp costs less CPU per request than its default httpx transport, and the

@@ -90,8 +90,9 @@ class ChatServer:
     reaches the policy (a Service's route, sticky per session); `sampling` and `greedy` are the run's.
     """
 
-    def __init__(self, tokenizer, generate, sampling: dict, greedy: dict, config: ChatConfig, max_model_len: int):
-        self.tokenizer, self.renderer = tokenizer, Renderer(tokenizer)
+    def __init__(self, tokenizer, generate, sampling: dict, greedy: dict, config: ChatConfig, max_model_len: int,
+                 template_kwargs: dict | None = None):
+        self.tokenizer, self.renderer = tokenizer, Renderer(tokenizer, template_kwargs)
         self.generate, self.sampling, self.greedy = generate, sampling, greedy
         self.config, self.max_model_len = config, max_model_len
         self.rollouts: dict[str, Rollout] = {}

@@ -36,15 +36,19 @@ class GameResult:
 _PROMPTS_WITH_UNKNOWN_WORDS: list[str] = []  # the first one found is reported, once per run
 
 
-def prompt_ids(app: App, tokenizer, observation: dict, first_turn: bool, close_previous: bool = False) -> list[int]:
+def prompt_ids(app: App, tokenizer, observation: dict, first_turn: bool, close_previous: bool = False,
+               template_kwargs: dict | None = None) -> list[int]:
     """Token ids of one user turn and the assistant header, tokenized on their own.
 
-    The first turn comes from the chat template; later turns continue a conversation whose earlier ids
-    are kept as sampled, so only the new text is tokenized (never the whole conversation again).
-    `close_previous`: the previous answer stopped without the end-of-turn token (constrained decoding
-    samples the answer alone), so this turn starts by closing it.
+    The first turn comes from the chat template (with the app's SYSTEM_PROMPT, if it has one, instead of
+    the template's default); later turns continue a conversation whose earlier ids are kept as sampled, so
+    only the new text is tokenized (never the whole conversation again). `close_previous`: the previous
+    answer stopped without the end-of-turn token (constrained decoding samples the answer alone), so this
+    turn starts by closing it. `template_kwargs`: the config's model.chat_template_kwargs, for every turn.
     """
-    text, ids = _turn_ids(tokenizer, app.render_prompt(observation), first_turn)
+    kwargs = tuple(sorted((template_kwargs or {}).items()))
+    system = getattr(app, "system_prompt", None)
+    text, ids = _turn_ids(tokenizer, app.render_prompt(observation), first_turn, system, kwargs)
     ids = list(ids)
     if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids and not _PROMPTS_WITH_UNKNOWN_WORDS:
         _PROMPTS_WITH_UNKNOWN_WORDS.append(text)  # the prompt's words are the app's to fix
@@ -53,17 +57,19 @@ def prompt_ids(app: App, tokenizer, observation: dict, first_turn: bool, close_p
 
 
 @functools.lru_cache(maxsize=4096)
-def _turn_ids(tokenizer, content: str, first_turn: bool) -> tuple[str, tuple[int, ...]]:
+def _turn_ids(tokenizer, content: str, first_turn: bool, system: str | None, kwargs: tuple) -> tuple[str, tuple[int, ...]]:
     """The text and ids of one user turn (see prompt_ids). Cached: a game's prompts repeat (BlackJack
     has a few hundred), and rendering the chat template three times per turn cost more than the model."""
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, **dict(kwargs))
     message = {"role": "user", "content": content}
-    text = tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
+    start = [{"role": "system", "content": system}] if system is not None else []
+    text = render(start + [message], add_generation_prompt=True)
     if not first_turn:
         # The turn as the template renders it after an earlier one: without what it puts only at the start
         # (SmolLM2's default system prompt), after the newline it puts after the previous <|im_end|>.
         earlier = [{"role": "user", "content": "."}]
-        before = tokenizer.apply_chat_template(earlier, tokenize=False)
-        text = "\n" + tokenizer.apply_chat_template(earlier + [message], tokenize=False, add_generation_prompt=True)[len(before):]
+        before = render(earlier)
+        text = "\n" + render(earlier + [message], add_generation_prompt=True)[len(before):]
     return text, tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -121,14 +127,15 @@ async def play_game(rollouts: Rollouts, seed: int, group_id: str, asks, reset_ar
     async with rollouts.sessions.session() as session:
         try:
             observation = (await session.reset(seed=seed, **(reset_args or cfg.env.reset_args))).observation
-            record, invalid = EpisodeRecord(prompt_ids(app, tokenizer, observation, True)), False
+            template = cfg.model.chat_template_kwargs
+            record, invalid = EpisodeRecord(prompt_ids(app, tokenizer, observation, True, template_kwargs=template)), False
             previous = None  # (prompt ids, answer ids) of the last turn, for the group's shared requests
             for turn in range(cfg.rollout.max_turns):
                 if observation["done"]:
                     break
                 if turn:
                     unclosed = record.token_ids[-1] != tokenizer.eos_token_id
-                    record.add_prompt(prompt_ids(app, tokenizer, observation, False, unclosed))
+                    record.add_prompt(prompt_ids(app, tokenizer, observation, False, unclosed, template))
                 completion = await asks.answer(list(record.token_ids), previous)
                 previous = (tuple(completion.prompt_ids), tuple(completion.token_ids))
                 record.add_completion(completion)

@@ -66,15 +66,15 @@ def _arguments(arguments) -> object:
 class Renderer:
     """The model's chat template and tokenizer: text of messages, ids of text (tokenized alone)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, template_kwargs: dict | None = None):
         if tokenizer.eos_token_id is None:
             raise ValueError("the chat server needs a tokenizer with an end-of-turn (eos) token")
-        self.tokenizer = tokenizer
+        self.tokenizer, self.template_kwargs = tokenizer, dict(template_kwargs or {})  # model.chat_template_kwargs
         self.eos_id, self.eos_text = tokenizer.eos_token_id, tokenizer.eos_token
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
         )
 
     def ids(self, text: str) -> list[int]:

@@ -20,6 +20,11 @@ class ModelConfig:
     path: Optional[str] = None  # HF id or directory, FILE.gguf or package:MODULE (forge_rl/models/); None: the tiny model
     tiny_seed: int = 0  # seed of the tiny model built when path is None
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # Passed to the chat template at every turn the policy sees, e.g. {enable_thinking: false} for Qwen3
+    chat_template_kwargs: dict = field(default_factory=dict)
+
+    def check(self, key):
+        _mapping(self, key, "chat_template_kwargs")
 
 
 @dataclass

