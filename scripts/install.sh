@@ -51,5 +51,5 @@ if ! command -v bwrap >/dev/null 2>&1; then
         echo "install: bubblewrap not found and cannot be installed here: the code sandbox will use rlimits only"
     fi
 fi
-step "$VENV/bin/python" -c "import vllm, monarch, torchstore, torchtitan, openenv, pyspiel, transformers, gguf, accelerate"
+step "$VENV/bin/python" -c "import vllm, monarch, torchstore, torchtitan, openenv, pyspiel, transformers, gguf, accelerate, peft"
 echo "install: done ($machine)"
