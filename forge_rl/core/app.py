@@ -101,9 +101,9 @@ def observation_fields(observation: Any) -> Mapping[str, Any]:
 
 
 def terminal_reward(observation: Any, invalid: bool, invalid_penalty: float) -> float:
-    """The environment's reward once the episode is done (0 before: an episode cut off at rollout.max_turns
-    earns nothing); -invalid_penalty for an answer parse_action refused. invalid_penalty is a magnitude
-    (>= 0): scoring an invalid answer below the worst outcome teaches the format first."""
+    """The environment's reward once the episode is done (0 before); -invalid_penalty for an answer
+    parse_action refused. invalid_penalty is a magnitude (>= 0): scoring an invalid answer below the worst
+    outcome teaches the format first. A game cut off at rollout.max_turns is not scored here (play.py)."""
     if invalid_penalty < 0:
         raise ValueError(f"invalid_penalty is a magnitude and must be >= 0, got {invalid_penalty}")
     if invalid:

@@ -141,6 +141,9 @@ async def play_game(rollouts: Rollouts, seed: int, group_id: str, asks, reset_ar
             logger.warning("game on seed %d dropped: %s", seed, e)
             rollouts.last_abort = str(e)
             return GameResult([], 0.0, False, aborted=True)
-    reward = app.reward(observation, invalid, cfg.rollout.invalid_action_penalty)
+    if invalid or observation["done"]:
+        reward = app.reward(observation, invalid, cfg.rollout.invalid_action_penalty)
+    else:  # cut off at rollout.max_turns: never scored better than losing (schema.py, rollout.cutoff_reward)
+        reward = cfg.rollout.cutoff_score
     episodes = [record.to_episode(reward, group_id)] if record.completion_versions else []
     return GameResult(episodes, reward, invalid)

@@ -194,10 +194,17 @@ class RolloutConfig:
     num_workers: int = 64  # concurrent game-playing tasks on the controller
     max_turns: int = 8  # decisions per game before it is cut off
     invalid_action_penalty: float = 1.0  # a game ended by an unparseable answer scores -penalty
+    # What a game still running after max_turns scores (its reward() is not asked). None: -invalid_action_penalty,
+    # never better than losing, so that dragging a game out is no way to dodge a loss.
+    cutoff_reward: Optional[float] = None
 
     def check(self, key):
         _positive(self, key, "num_workers", "max_turns")
         _non_negative(self, key, "invalid_action_penalty")
+
+    @property
+    def cutoff_score(self) -> float:
+        return -self.invalid_action_penalty if self.cutoff_reward is None else self.cutoff_reward
 
 
 @dataclass
