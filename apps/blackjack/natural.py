@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from apps.blackjack.task import ACTIONS, REFERENCE_EV, REFERENCE_POLICIES, _fields, card_value, eval_metrics, reward  # noqa: F401
+from apps.blackjack.task import ACTIONS, REFERENCE_EV, REFERENCE_POLICIES, SAMPLE_OBSERVATION, _fields, card_value, eval_metrics, reward  # noqa: F401
 
 
 def render_prompt(observation: Any) -> str:

@@ -13,7 +13,9 @@ action, and the end of an episode into a reward. It takes one of two forms:
 Either may add `eval_metrics(results, references) -> dict` (what an evaluation reports, its headline
 first; `results` have .reward and .invalid, `references` maps each reference policy's name to its mean
 reward on the evaluation seeds) and `REFERENCE_POLICIES` ({name: observation -> answer text or None},
-played on the evaluation seeds with the app's parse_action and reward).
+played on the evaluation seeds with the app's parse_action and reward). A TaskApp may add
+`SAMPLE_OBSERVATION`, an observation as the client returns it: the config check renders its prompt to
+find words the tiny model does not know (recipes/grpo/check.py).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class App:
     multi_token_answers: bool = False  # ANSWER_VOCABULARY: an answer is up to sampling.max_tokens of them
     eval_metrics: Callable = mean_reward
     reference_policies: dict = field(default_factory=dict)
+    sample_observation: Mapping | None = None  # SAMPLE_OBSERVATION: a prompt to check words against
 
     @property
     def is_agent(self) -> bool:
@@ -89,6 +92,7 @@ def load_app(name: str, constrained: bool = False) -> App:
         multi_token_answers=bool(vocabulary),
         eval_metrics=getattr(module, "eval_metrics", mean_reward),
         reference_policies=dict(policies),
+        sample_observation=getattr(module, "SAMPLE_OBSERVATION", None),
     )
 
 
