@@ -100,7 +100,7 @@ async def start(cfg: RunConfig, app: App, url: str) -> Job:
         learner=Learner(cfg, trainer, policy, reference),
         evaluation=Evaluation(rollouts),
         buffer=buffer,
-        metrics=MetricsLogger(Path(cfg.run_dir), cfg.logging),
+        metrics=MetricsLogger(Path(cfg.run_dir), cfg.logging, dataclasses.asdict(cfg)),  # W&B keeps the resolved config
         stopping=asyncio.Event(),
     )
 
