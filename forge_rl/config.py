@@ -1,7 +1,30 @@
-"""`python -m forge_rl.config --config FILE [dotted.key=value ...]`: check a config and print it resolved,
-starting nothing. Bad input: one line on stderr, exit status 2."""
+"""`python -m forge_rl.config --config FILE [dotted.key=value ...]`: check a config as a run checks it at start
+(the schema, then recipes/grpo/check.py), starting nothing, and print it resolved. Bad input: one line on
+stderr, exit status 2."""
 
-from forge_rl.core.config import parse_cli, to_yaml
+WHAT = """Check a config as a run does before it starts anything, and print it resolved: the keys and values, app_module
+and what it provides, env.server (imports) or env.url (a URL), model.path (resolves; a hub id is not
+downloaded), the tiny model's words for the app's prompt and answers, logging.wandb_project's package and key,
+and the GPUs a local run places."""
 
 if __name__ == "__main__":
-    print(to_yaml(parse_cli()), end="")
+    import sys
+
+    from forge_rl.core.config import ConfigError, parse_cli, to_yaml
+    from forge_rl.core.config.loading import usage, wants_help
+
+    if wants_help(sys.argv[1:]):
+        print(usage("forge_rl.config", WHAT))
+        raise SystemExit(0)
+    config = parse_cli()
+    from forge_rl.compat.openenv import skip_gradio
+
+    skip_gradio()  # env.server's module imports openenv, whose web UI import takes seconds
+    from forge_rl.recipes.grpo.check import check_run
+
+    try:
+        check_run(config)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(to_yaml(config), end="")

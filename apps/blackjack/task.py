@@ -17,6 +17,8 @@ from forge_rl.core.app import observation_fields as _fields
 from forge_rl.core.app import terminal_reward
 
 ACTIONS = ("HIT", "STAND")  # the only answers parse_action accepts (also for constrained decoding)
+# A hand as the client returns it: the config check renders its prompt against the tiny model's words.
+SAMPLE_OBSERVATION = {"player_total": 17, "soft": True, "dealer_card": "10H", "legal_actions": ["HIT", "STAND"], "done": False}
 
 
 def card_rank(card: str) -> str:

@@ -20,6 +20,8 @@ from forge_rl.core.app import observation_fields as _fields
 from forge_rl.core.app import terminal_reward
 
 ANSWER_VOCABULARY = ("x", "+", "-", "*", *"0123456789")  # each one token of the tiny model's tokenizer
+# A synth task as the client returns it: the config check renders its prompt against the tiny model's words.
+SAMPLE_OBSERVATION = {"task_set": "synth", "examples": [[1, -4], [8, 3], [13, 8]], "turn": 0, "max_turns": 1}
 
 _BLOCK = re.compile(r"```(python|run)[^\n]*\n(.*?)```", re.DOTALL)
 

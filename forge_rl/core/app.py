@@ -14,7 +14,9 @@ Either may add `eval_metrics(results, references) -> dict` (what an evaluation r
 first; `results` have .reward and .invalid, `references` maps each reference policy's name to its mean
 reward on the evaluation seeds) and `REFERENCE_POLICIES` ({name: observation -> answer text or None},
 played on the evaluation seeds with the app's parse_action and reward). A TaskApp may set `SYSTEM_PROMPT`,
-the system message of its first turn (else the chat template's default, if it has one).
+the system message of its first turn (else the chat template's default, if it has one), and
+`SAMPLE_OBSERVATION`, an observation as the client returns it: the config check renders its prompt to
+find words the tiny model does not know (recipes/grpo/check.py).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class App:
     eval_metrics: Callable = mean_reward
     reference_policies: dict = field(default_factory=dict)
     system_prompt: str | None = None  # SYSTEM_PROMPT: the first turn's system message (None: the template's own)
+    sample_observation: Mapping | None = None  # SAMPLE_OBSERVATION: a prompt to check words against
 
     @property
     def is_agent(self) -> bool:
@@ -92,6 +95,7 @@ def load_app(name: str, constrained: bool = False) -> App:
         eval_metrics=getattr(module, "eval_metrics", mean_reward),
         reference_policies=dict(policies),
         system_prompt=getattr(module, "SYSTEM_PROMPT", None),
+        sample_observation=getattr(module, "SAMPLE_OBSERVATION", None),
     )
 
 
@@ -104,9 +108,9 @@ def observation_fields(observation: Any) -> Mapping[str, Any]:
 
 
 def terminal_reward(observation: Any, invalid: bool, invalid_penalty: float) -> float:
-    """The environment's reward once the episode is done (0 before: an episode cut off at rollout.max_turns
-    earns nothing); -invalid_penalty for an answer parse_action refused. invalid_penalty is a magnitude
-    (>= 0): scoring an invalid answer below the worst outcome teaches the format first."""
+    """The environment's reward once the episode is done (0 before); -invalid_penalty for an answer
+    parse_action refused. invalid_penalty is a magnitude (>= 0): scoring an invalid answer below the worst
+    outcome teaches the format first. A game cut off at rollout.max_turns is not scored here (play.py)."""
     if invalid_penalty < 0:
         raise ValueError(f"invalid_penalty is a magnitude and must be >= 0, got {invalid_penalty}")
     if invalid:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -45,22 +46,40 @@ def cache_root() -> Path:
 def resolve_model(path: str | None, dtype: str = "float32", tiny_dir: str | Path | None = None, tiny_seed: int = 0) -> str:
     """A local HF directory for any `model.path` value (see the module docstring); `tiny_dir` is
     where the tiny model is built when `path` is None."""
-    if path is None:
+    kind = model_kind(path)
+    if kind == "tiny":
         from forge_rl.models.tiny import build_tiny_model
 
         if tiny_dir is None:
             raise ValueError("model.path is None (the tiny model) but no directory to build it in was given")
         return str(build_tiny_model(Path(tiny_dir), seed=tiny_seed))
-    gguf = gguf_file(path)
-    if gguf is not None:
-        return str(materialise_gguf(gguf, dtype))
-    if Path(path).is_dir():
+    if kind == "gguf":
+        return str(materialise_gguf(gguf_file(path), dtype))
+    if kind == "directory":
         return path
-    if Path(path).exists() or path.startswith((".", "/", "~")):
-        raise ValueError(f"model.path {path!r}: not an HF directory, a .gguf file, package:MODULE or an HF id")
     from huggingface_hub import snapshot_download
 
     return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def model_kind(path: str | None) -> str:
+    """'tiny', 'gguf', 'directory' or 'hub': what a `model.path` value names, found without building,
+    converting or downloading anything (the config check calls it too). A value that names nothing usable
+    raises ValueError, FileNotFoundError or ModuleNotFoundError, a line naming it."""
+    if path is None:
+        return "tiny"
+    if gguf_file(path) is not None:
+        return "gguf"
+    if Path(path).is_dir():
+        if not (Path(path) / "config.json").is_file():
+            raise ValueError(f"model.path {path!r}: a directory without config.json, so not an HF model directory")
+        return "directory"
+    if Path(path).exists() or path.startswith((".", "/", "~")) or not HUB_ID.fullmatch(path):
+        raise ValueError(f"model.path {path!r}: not an HF directory, a .gguf file, package:MODULE or an HF id")
+    return "hub"
 
 
 def gguf_file(path: str) -> Path | None:

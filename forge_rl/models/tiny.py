@@ -25,8 +25,6 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 SPECIAL_TOKENS = ["<|pad|>", "[UNK]", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -142,8 +140,10 @@ def model_config(vocab_size: int, hidden_size: int, num_layers: int, max_positio
     }
 
 
-def random_weights(config: dict, seed: int, std: float) -> dict[str, torch.Tensor]:
+def random_weights(config: dict, seed: int, std: float) -> dict:
     """HF-named fp32 weights: N(0, std) matrices, unit RMSNorm scales, drawn in a fixed order."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     h, inter, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
     q_dim, kv_dim = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
@@ -182,6 +182,8 @@ def build_tiny_model(
 
     hidden_size must be a multiple of 64 (heads of 32, two query heads per key/value head).
     """
+    from safetensors.torch import save_file
+
     if hidden_size % 64:
         raise ValueError(f"hidden_size must be a multiple of 64 (head_dim 32, 2 heads per kv head), got {hidden_size}")
     path = Path(path)
@@ -197,21 +199,29 @@ def build_tiny_model(
     weights = random_weights(config, seed, init_std)
     save_file({k: weights[k] for k in sorted(weights)}, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "tokenizer.json").write_text(tokenizer.to_str(pretty=True))
-    _write_json(
-        path / "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "chat_template": CHAT_TEMPLATE,
-            "bos_token": None,
-            "eos_token": IM_END,
-            "pad_token": PAD,
-            "unk_token": UNK,
-            "additional_special_tokens": [END_OF_TEXT, IM_START, IM_END],
-            "model_max_length": max_position_embeddings,
-            "clean_up_tokenization_spaces": False,
-        },
-    )
+    _write_json(path / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer_config(max_position_embeddings)})
     return path
+
+
+def tokenizer_config(max_position_embeddings: int = 2048) -> dict:
+    return {
+        "chat_template": CHAT_TEMPLATE,
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": PAD,
+        "unk_token": UNK,
+        "additional_special_tokens": [END_OF_TEXT, IM_START, IM_END],
+        "model_max_length": max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+def hf_tokenizer():
+    """The tiny model's tokenizer as transformers loads it from a built model, without building one: what
+    the config check tokenizes an app's prompt and answers with."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), **tokenizer_config())
 
 
 def _write_json(path: Path, data: dict) -> None:

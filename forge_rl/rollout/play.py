@@ -52,8 +52,17 @@ def prompt_ids(app: App, tokenizer, observation: dict, first_turn: bool, close_p
     ids = list(ids)
     if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids and not _PROMPTS_WITH_UNKNOWN_WORDS:
         _PROMPTS_WITH_UNKNOWN_WORDS.append(text)  # the prompt's words are the app's to fix
-        logger.warning("the tokenizer does not know some words of this prompt (read as %s): %r", tokenizer.unk_token, text[:300])
+        logger.warning("the tokenizer reads %s as %s in this prompt: %r", unknown_words(tokenizer, text), tokenizer.unk_token, text[:300])
     return [tokenizer.eos_token_id] + ids if close_previous else ids
+
+
+def unknown_words(tokenizer, text: str) -> list[str]:
+    """The pieces of `text` the tokenizer reads as its unknown token (the tiny model's word list lacks them)."""
+    if tokenizer.unk_token_id is None:
+        return []
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    pieces = (text[a:b].strip() for i, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"]) if i == tokenizer.unk_token_id)
+    return list(dict.fromkeys(pieces))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -148,6 +157,9 @@ async def play_game(rollouts: Rollouts, seed: int, group_id: str, asks, reset_ar
             logger.warning("game on seed %d dropped: %s", seed, e)
             rollouts.last_abort = str(e)
             return GameResult([], 0.0, False, aborted=True)
-    reward = app.reward(observation, invalid, cfg.rollout.invalid_action_penalty)
+    if invalid or observation["done"]:
+        reward = app.reward(observation, invalid, cfg.rollout.invalid_action_penalty)
+    else:  # cut off at rollout.max_turns: never scored better than losing (schema.py, rollout.cutoff_reward)
+        reward = cfg.rollout.cutoff_score
     episodes = [record.to_episode(reward, group_id)] if record.completion_versions else []
     return GameResult(episodes, reward, invalid)

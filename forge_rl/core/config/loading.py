@@ -12,6 +12,7 @@ file, before anything is launched (TorchForge's YAML style, typed and validated)
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import sys
 import types
 import typing
@@ -37,11 +38,13 @@ def load_config(path: str | Path, overrides: list[str] = (), schema: type = RunC
         raw = OmegaConf.load(path)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except yaml.MarkedYAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(e, path)}") from None
     except (OmegaConfBaseException, yaml.YAMLError) as e:
         raise ConfigError(f"{path}: not valid YAML: {first_line(e)}") from None
     try:
         merged = OmegaConf.merge(raw, OmegaConf.from_dotlist(list(overrides)))
-        _command_line_url_wins(merged, overrides)
+        _command_line_env_wins(merged, raw, overrides, path)
         data = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
@@ -54,20 +57,57 @@ def load_config(path: str | Path, overrides: list[str] = (), schema: type = RunC
         raise ConfigError(f"{e} {where}") from None
 
 
-def _command_line_url_wins(merged, overrides) -> None:
+def _yaml_problem(e: yaml.MarkedYAMLError, path: Path) -> str:
+    """PyYAML's error in one line that keeps where and what: 'line 7, column 1: found duplicate key seed
+    (while constructing a mapping at line 1, column 1)'; a tab, which YAML never accepts as indentation,
+    is named as such."""
+    mark = e.problem_mark or e.context_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    problem = " ".join((e.problem or e.context or str(e)).split())
+    if mark is not None:
+        lines = path.read_text(errors="replace").splitlines()
+        if mark.line < len(lines) and lines[mark.line][mark.column : mark.column + 1] == "\t":
+            problem += " (a tab: YAML indents with spaces)"
+    if e.context and e.problem and e.context_mark is not None and (e.context_mark.line, e.context_mark.column) != (mark.line, mark.column):
+        problem += f" ({e.context} at line {e.context_mark.line + 1}, column {e.context_mark.column + 1})"
+    return where + problem
+
+
+def _command_line_env_wins(merged, raw, overrides, path) -> None:
     """env.url given on the command line over a file that names env.server: the running server is meant
     (a local config pointed at a deployed server), so the file's env.server is dropped rather than
-    stopping on "set exactly one"."""
+    stopping on "set exactly one". The other way round (env.server over a file's env.url) is refused with
+    the fix, as a launched server instead of the configured one is seldom what was meant."""
     keys = {o.split("=", 1)[0].strip().lstrip("+") for o in overrides}
     if "env.url" in keys and "env.server" not in keys and OmegaConf.select(merged, "env.url") is not None:
         merged.env.server = None
+    file_url = OmegaConf.select(raw, "env.url", default=None)
+    if "env.server" in keys and "env.url" not in keys and file_url is not None and OmegaConf.select(merged, "env.server") is not None:
+        raise ConfigError(f"env.server: given on the command line, but {path} sets env.url {file_url}: add env.url=null")
+
+
+USAGE = """usage: python -m {prog} --config FILE [dotted.key=value ...]
+
+{what}
+
+Any key of the config can be overridden on the command line, e.g. grpo.group_size=16 trainer.optimizer.lr=2e-4.
+The keys: docs/configuration.md, and the comments in configs/*.yaml (configs/blackjack_tiny_cpu.yaml is the default).
+Bad input stops with one line, `config error: <key>: ...`, and exit status 2."""
+
+
+def wants_help(argv: list[str]) -> bool:
+    return any(a in ("-h", "--help") for a in argv)
+
+
+def usage(prog: str, what: str) -> str:
+    return USAGE.format(prog=prog, what=what)
 
 
 def parse_cli(argv: list[str] | None = None, schema: type = RunConfig):
     """`--config FILE [key=value ...]` -> checked config. Bad input: one line on stderr, exit status 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
-        _exit_with("usage: --config FILE [dotted.key=value ...]")
+        _exit_with("usage: --config FILE [dotted.key=value ...] (--help: where the keys are documented)")
     i = argv.index("--config")
     path, overrides = argv[i + 1], argv[:i] + argv[i + 2 :]
     bad = [o for o in overrides if "=" not in o or o.startswith("-")]
@@ -94,7 +134,9 @@ def _to_dataclass(cls, data: dict, prefix: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for name in data:
         if name not in fields:
-            raise ConfigError(f"{prefix}{name}: unknown key (known: {', '.join(fields)})")
+            nearest = difflib.get_close_matches(str(name), fields, n=1)
+            hint = f"did you mean {prefix}{nearest[0]}?" if nearest else f"known: {', '.join(fields)}"
+            raise ConfigError(f"{prefix}{name}: unknown key ({hint})")
     values = {}
     for name, f in fields.items():
         key = prefix + name

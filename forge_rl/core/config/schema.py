@@ -222,10 +222,17 @@ class RolloutConfig:
     num_workers: int = 64  # concurrent game-playing tasks on the controller
     max_turns: int = 8  # decisions per game before it is cut off
     invalid_action_penalty: float = 1.0  # a game ended by an unparseable answer scores -penalty
+    # What a game still running after max_turns scores (its reward() is not asked). None: -invalid_action_penalty,
+    # never better than losing, so that dragging a game out is no way to dodge a loss.
+    cutoff_reward: Optional[float] = None
 
     def check(self, key):
         _positive(self, key, "num_workers", "max_turns")
         _non_negative(self, key, "invalid_action_penalty")
+
+    @property
+    def cutoff_score(self) -> float:
+        return -self.invalid_action_penalty if self.cutoff_reward is None else self.cutoff_reward
 
 
 @dataclass
@@ -244,7 +251,9 @@ class EvalConfig:
 @dataclass
 class KubernetesConfig:
     namespace: str = "forge-rl"  # where the worker pods of k8s/ run
-    timeout_s: int = 600  # wait this long for every role's worker pods to be Ready
+    # The longest the controller waits for every role's worker pods to be Ready (GPU nodes scaled up from
+    # zero by an autoscaler can take longer than the default), then stops with the roles it lacks.
+    timeout_s: int = 600
 
     def check(self, key):
         _positive(self, key, "timeout_s")
@@ -323,6 +332,19 @@ class RunConfig:
                 raise ConfigError(f"{role}.hosts: {hosts} hosts need cluster.workers or cluster.kubernetes")
             if self.cluster.workers and hosts > len(self.cluster.workers):
                 raise ConfigError(f"{role}.hosts: {hosts}, but cluster.workers lists {len(self.cluster.workers)}")
+        for role, section in (("generator", self.generator), ("reference", self.reference)):
+            _replicas_fill_hosts(role, section.num_replicas, section.hosts)
+
+
+def _replicas_fill_hosts(role: str, replicas: int, hosts: int) -> None:
+    """Replica i runs on host i % hosts (runtime/provisioner.py), and every host of a role is sized alike (one
+    StatefulSet per role in k8s/): more hosts than replicas leaves hosts idle, an uneven split leaves GPUs idle."""
+    if hosts > replicas:
+        raise ConfigError(f"{role}.hosts: {hosts} hosts for {replicas} replica(s) leaves {hosts - replicas} idle: set {role}.num_replicas >= {role}.hosts")
+    if replicas % hosts:
+        raise ConfigError(
+            f"{role}.num_replicas: {replicas} replicas over {hosts} hosts is uneven (replica i runs on host i % hosts): make it a multiple of {role}.hosts"
+        )
 
 
 def _positive(section, key, *names):

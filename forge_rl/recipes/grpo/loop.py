@@ -169,6 +169,10 @@ async def train(job: Job, progress, workers: list[asyncio.Task]) -> None:
             values.update(await save_checkpoint(job.learner.trainer, cfg.run_dir, state, cfg.trainer.timeout_s))
         job.metrics.log(state.step, values)
         progress.update(1)
-        # The app's headline figures (the first two of its evaluation) as of the last evaluation.
-        headline = {k.split("/")[-1]: f"{v:+.3f}" for k, v in list(job.evaluation.last.items())[:2]}
-        progress.set_postfix(reward=f"{reward:+.3f}", **headline, eps=f"{values['train/episodes_per_s']:.1f}/s")
+        # The app's headline figures (the first two of its evaluation) as of the last evaluation; one named
+        # like the bar's own (eval/reward, an app's default) gets an eval_ prefix.
+        postfix = {"reward": f"{reward:+.3f}"}
+        for key, value in list(job.evaluation.last.items())[:2]:
+            name = key.split("/")[-1]
+            postfix["eval_" + name if name in ("reward", "eps") else name] = f"{value:+.3f}"
+        progress.set_postfix(postfix | {"eps": f"{values['train/episodes_per_s']:.1f}/s"})

@@ -22,16 +22,16 @@ import traceback
 from pathlib import Path
 
 from forge_rl.buffer.replay_buffer import ReplayBufferActor
-from forge_rl.core.app import App, load_app
+from forge_rl.core.app import App
 from forge_rl.core.config import ConfigError, RunConfig, dump, parse_cli
 from forge_rl.core.objective import GRPOLoss
 from forge_rl.engines.titan.reference import ReferenceModel
 from forge_rl.engines.titan.trainer import Trainer
 from forge_rl.engines.vllm.generator import Generator, catch_up
-from forge_rl.envs import load_env_class
 from forge_rl.envs.local import env_url
 from forge_rl.models import resolve_model
 from forge_rl.recipes.grpo import faults
+from forge_rl.recipes.grpo.check import check_run
 from forge_rl.recipes.grpo.checkpoint import resume
 from forge_rl.recipes.grpo.learner import Learner
 from forge_rl.recipes.grpo.loop import Job, rollout_worker, train
@@ -101,7 +101,7 @@ async def start(cfg: RunConfig, app: App, url: str) -> Job:
         learner=Learner(cfg, trainer, policy, reference),
         evaluation=Evaluation(rollouts),
         buffer=buffer,
-        metrics=MetricsLogger(Path(cfg.run_dir), cfg.logging),
+        metrics=MetricsLogger(Path(cfg.run_dir), cfg.logging, dataclasses.asdict(cfg)),  # W&B keeps the resolved config
         stopping=asyncio.Event(),
     )
 
@@ -137,28 +137,12 @@ async def shutdown(job: Job | None) -> None:
         print(f"forge_rl: lost host {host}. The run stopped; resume=true continues from its last checkpoint", file=sys.stderr)
 
 
-def check_env_server(server: str | None) -> None:
-    """env.server names something that imports (else its failure to start would be the server's whole traceback)."""
-    if server is None:
-        return
-    import importlib.util
-
-    try:
-        if ":" in server:
-            load_env_class(server)
-        elif importlib.util.find_spec(server) is None:
-            raise ValueError(f"no module named {server!r}")
-    except (ValueError, ImportError) as e:
-        raise ConfigError(f"env.server: {e}") from None
-
-
 async def main(cfg: RunConfig) -> None:
     from tqdm import tqdm
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, print_task_stacks)
     run_dir = Path(cfg.run_dir)
-    app = load_app(cfg.app_module, cfg.sampling.constrained)  # fails before anything starts
-    check_env_server(cfg.env.server)
+    app = check_run(cfg)  # what `python -m forge_rl.config` checks; fails before anything starts
     dump(cfg, run_dir / "config.yaml")  # the resolved config, to reproduce the run
     print(f"logs of every process (vLLM, Monarch): {run_dir / 'run.log'}")
     url, local_server = env_url(cfg.env.url, cfg.env.server, cfg.env.max_concurrent)
@@ -244,8 +228,9 @@ def print_task_stacks() -> None:
         task.print_stack(limit=12, file=sys.stderr)
 
 
-def run_from_command_line() -> None:
-    config = parse_cli()
+def run_from_command_line(config: RunConfig | None = None) -> None:
+    """The run of `python -m forge_rl.grpo`: `config` already parsed there, else parsed here."""
+    config = config or parse_cli()
     log_file = console_to_log(Path(config.run_dir))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # SIGTERM (kubectl delete, timeout, a scheduler) stops the run like Ctrl-C: actors and engine processes

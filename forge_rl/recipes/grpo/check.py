@@ -1,0 +1,111 @@
+"""What a run checks before it starts anything, and all that `python -m forge_rl.config` checks: the names in
+the config resolve (app_module, env.server, env.url, model.path), the tiny model knows the app's words,
+Weights & Biases can log, and this host has the GPUs a local run places on it. Nothing is started,
+downloaded or converted. Each failure is a ConfigError: one line naming the key.
+
+The schema's own checks (types, ranges, keys that must agree) ran when the config was loaded; these need
+the app, the environment's module or the model, hence here and not in core/config/.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import netrc
+import os
+from urllib.parse import urlsplit
+
+from forge_rl.core.app import App, load_app
+from forge_rl.core.config import ConfigError, RunConfig
+from forge_rl.core.errors import first_line
+from forge_rl.envs import load_env_class
+from forge_rl.models import model_kind
+from forge_rl.rollout.play import answer_token_ids, unknown_words
+
+
+def check_run(cfg: RunConfig, this_host: bool = True) -> App:
+    """Every check, in the order a run would meet the problem; the checked app for the run to use.
+    `this_host=False` leaves out what depends on the host it runs on (its GPUs, W&B's key)."""
+    app = load_app(cfg.app_module, cfg.sampling.constrained)
+    check_env(cfg.env.server, cfg.env.url)
+    check_model(cfg, app)
+    if this_host:
+        check_wandb(cfg.logging.wandb_project)
+        check_gpus(cfg)
+    return app
+
+
+def check_env(server: str | None, url: str | None) -> None:
+    """env.server names something that imports (else its failure to start would be the server's whole
+    traceback, after seconds); env.url is a URL."""
+    if server is not None:
+        try:
+            if ":" in server:
+                load_env_class(server)
+            elif importlib.util.find_spec(server) is None:
+                raise ValueError(f"no module named {server!r}")
+        except (ValueError, ImportError) as e:
+            raise ConfigError(f"env.server: {first_line(e)} (a module of your own must be on PYTHONPATH)") from None
+    if url is not None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
+            raise ConfigError(f"env.url: {url!r} is not a URL such as http://blackjack:8000")
+
+
+def check_model(cfg: RunConfig, app: App) -> None:
+    """model.path names a model (file, package:, directory; a hub id is taken as one, not downloaded). With
+    the tiny model (model.path null), whose tokenizer knows a fixed list of words, the app's answers and the
+    prompt it renders for its SAMPLE_OBSERVATION must be words of that list: an unknown word would reach the
+    policy as [UNK]."""
+    try:
+        kind = model_kind(cfg.model.path)
+    except (ValueError, OSError, ImportError) as e:
+        raise ConfigError(first_line(e)) from None
+    if kind != "tiny":
+        return
+    from forge_rl.models.tiny import hf_tokenizer
+
+    tokenizer = hf_tokenizer()
+    if cfg.sampling.constrained:
+        answer_token_ids(app, tokenizer)  # one known token each, as the run needs them
+    if app.sample_observation is not None and not app.is_agent:
+        prompt = app.render_prompt(app.sample_observation)
+        unknown = unknown_words(tokenizer, prompt)
+        if unknown:
+            raise ConfigError(
+                f"app_module {app.name!r}: the tiny model (model.path null) does not know {', '.join(map(repr, unknown))} "
+                f"in its prompt {prompt[:200]!r} (rendered from SAMPLE_OBSERVATION): use words listed in "
+                "forge_rl/models/tiny.py, or set model.path"
+            )
+
+
+def check_wandb(project: str | None) -> None:
+    """Weights & Biases is refused here, not after the actors have started: the package must be installed
+    and an API key at hand (WANDB_API_KEY, or `wandb login`'s ~/.netrc), unless WANDB_MODE keeps it local."""
+    if not project:
+        return
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb_project: set, but wandb is not installed: pip install '.[wandb]'")
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled"):
+        return
+    try:
+        logged_in = netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        logged_in = False
+    if not logged_in:
+        raise ConfigError("logging.wandb_project: set, but no WANDB_API_KEY (export it, run `wandb login`, or WANDB_MODE=offline)")
+
+
+def check_gpus(cfg: RunConfig) -> None:
+    """A local run on a host with GPUs gives each process of the trainer, every generator replica and every
+    reference replica a GPU of its own (runtime/provisioner.py); more than the host has cannot start."""
+    if cfg.cluster.mode != "local" or not os.path.exists("/dev/nvidiactl"):
+        return
+    import torch
+
+    have = torch.cuda.device_count()
+    need = {"trainer.procs": cfg.trainer.procs, "generator.num_replicas x procs": cfg.generator.num_replicas * cfg.generator.procs}
+    if cfg.grpo.kl_coef > 0:
+        need["reference.num_replicas"] = cfg.reference.num_replicas
+    if have and sum(need.values()) > have:
+        placed = ", ".join(f"{k} {v}" for k, v in need.items())
+        raise ConfigError(f"{', '.join(need)}: this host has {have} GPU(s) and the config places {sum(need.values())} ({placed}): lower them, or run on cluster.workers")

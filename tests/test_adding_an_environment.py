@@ -1,0 +1,162 @@
+"""docs/adding_an_environment.md, followed literally: its files written out of the page into a folder outside
+the repository, its commands run as it gives them (the config check, the server alone, a few training steps
+on the tiny model), its word check, and its Kubernetes overlay rendered over k8s/base and validated offline.
+
+The training run also checks what the page promises about it: a game cut off at rollout.max_turns scores
+rollout.cutoff_reward, eval_metrics receives the reference policies' mean rewards, and with Weights & Biases
+(offline here) the resolved config is logged with the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from forge_rl.core.config import parse_cli
+from forge_rl.envs.local import launch_local
+from forge_rl.recipes.metrics import read_metrics
+from forge_rl.rollout.env_client import EnvSession
+from tests.test_k8s import KUBERNETES_VERSIONS, find, kubectl, pod_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+GUIDE = (ROOT / "docs" / "adding_an_environment.md").read_text()
+ENV_CLASS = "guess_number.env:GuessNumberEnvironment"
+
+
+def guide_files() -> dict[str, str]:
+    """The page's code blocks whose first line names a file (`# guess_number/env.py`): path -> text."""
+    files = {}
+    for block in re.findall(r"^```\w*\n(.*?)^```", GUIDE, re.S | re.M):
+        name = re.fullmatch(r"# (\S+)", block.splitlines()[0])
+        if name:
+            files[name.group(1)] = block
+    return files
+
+
+def guide_commands(tool: str) -> list[list[str]]:
+    """The page's `... -m <tool> ...` command lines, as argument lists from `-m` on."""
+    shell = "\n".join(re.findall(r"^```sh\n(.*?)^```", GUIDE, re.S | re.M))
+    lines = [line for line in shell.splitlines() if f"-m {tool} " in line]
+    return [shlex.split(line[line.index("-m ") :].split("  #")[0]) for line in lines]
+
+
+@pytest.fixture(scope="module")
+def my_envs(tmp_path_factory) -> Path:
+    """~/my_envs as the page leaves it: the package, its empty __init__.py, the config."""
+    folder = tmp_path_factory.mktemp("my_envs")
+    (folder / "guess_number").mkdir()
+    (folder / "guess_number" / "__init__.py").touch()
+    for name, text in guide_files().items():
+        if not name.startswith("my_overlay/") and name != "Dockerfile":
+            (folder / name).write_text(text)
+    return folder
+
+
+def environment(my_envs: Path, **extra: str) -> dict:
+    """`export PYTHONPATH=$PWD` in ~/my_envs (and this checkout, which the shared venv does not install)."""
+    return {**os.environ, "PYTHONPATH": f"{my_envs}{os.pathsep}{ROOT}", **extra}
+
+
+def test_the_page_writes_every_file_it_uses():
+    assert set(guide_files()) == {
+        "guess_number/env.py", "guess_number/task.py", "guess_number.yaml", "Dockerfile",
+        "my_overlay/guess-number.yaml", "my_overlay/kustomization.yaml",
+    }
+    assert ENV_CLASS in GUIDE and "touch guess_number/__init__.py" in GUIDE
+
+
+def test_the_word_check_prints_what_the_page_shows(my_envs):
+    (line,) = [x for x in GUIDE.splitlines() if "-c \"from forge_rl.models.tiny" in x]
+    shown = GUIDE.splitlines()[GUIDE.splitlines().index(line) + 1]
+    out = subprocess.run([sys.executable, *shlex.split(line)[1:]], env=environment(my_envs), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == shown, out.stderr[-2000:]
+
+
+def test_the_server_serves_reset_args_and_reproducible_games(my_envs):
+    """`python -m forge_rl.envs guess_number.env:GuessNumberEnvironment` (what launch_local runs): reset_args
+    arrive as reset's keyword arguments, and one seed is one number."""
+    (command,) = guide_commands("forge_rl.envs")
+    assert command[2] == ENV_CLASS
+
+    async def play(url: str, seed: int, high: int) -> tuple[int, int]:
+        async with EnvSession(url, timeout_s=30) as session:
+            obs = (await session.reset(seed=seed, high=high)).observation
+            while not obs["done"]:
+                obs = (await session.step({"guess": (obs["low"] + obs["high"]) // 2})).observation
+            return obs["last_guess"], obs["guesses"]
+
+    with launch_local(ENV_CLASS, env={"PYTHONPATH": environment(my_envs)["PYTHONPATH"]}) as server:
+        small = [asyncio.run(play(server.url, seed, 3)) for seed in range(8)]
+        twice = [asyncio.run(play(server.url, 5, 15)) for _ in range(2)]
+    assert all(0 <= number <= 3 for number, _ in small) and len({n for n, _ in small}) > 1
+    assert twice[0] == twice[1]
+
+
+def test_check_then_train_a_few_steps_on_the_tiny_model(my_envs, tmp_path):
+    """The page's two commands, the run shortened to 3 steps with an evaluation at its end, 2 guesses a game
+    and cut-off games scored -3 (the page's -1 would equal a loss and prove nothing), W&B logging offline."""
+    check, train = guide_commands("forge_rl.config"), guide_commands("forge_rl.grpo")
+    assert check == [["-m", "forge_rl.config", "--config", "guess_number.yaml"]] and train == [["-m", "forge_rl.grpo", "--config", "guess_number.yaml"]]
+    out = subprocess.run([sys.executable, *check[0]], cwd=my_envs, env=environment(my_envs), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "guess_number.task" in out.stdout, out.stderr[-2000:]
+
+    run_dir = tmp_path / "run"
+    short = [f"run_dir={run_dir}", "trainer.max_steps=3", "grpo.batch_size=4", "eval.interval=3", "eval.num_games=32",
+             "rollout.max_turns=2", "rollout.cutoff_reward=-3", "logging.wandb_project=guide"]
+    env = environment(my_envs, WANDB_MODE="offline", WANDB_SILENT="true")
+    out = subprocess.run([sys.executable, *train[0], *short], cwd=my_envs, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3]
+    (last,) = [r for r in rows if "eval/found" in r]
+    found = last["eval/found"]
+    # Every game either found the number (1) or was cut off after 2 guesses (-3): constrained answers are never invalid.
+    assert last["eval/reward"] == pytest.approx(found - 3 * (1 - found)) and found < 1
+    assert last["eval/bisect"] == 1.0, "eval_metrics receives the reference policies' mean rewards (bisect always finds it)"
+    (record,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    logged = record.read_bytes()
+    # keys of the config that neither the command line nor the file names: only the resolved config holds them
+    assert b"invalid_action_penalty" in logged and b"micro_batch_size" in logged, "the resolved config is logged with the run"
+
+
+def test_the_overlay_renders_over_the_base_and_validates(tmp_path):
+    """my_overlay beside a checkout of forge_rl, as the page puts it: rendered with kubectl kustomize and
+    validated offline; the Job runs the page's config against the page's Service, which runs the page's class."""
+    files = guide_files()
+    overlay = tmp_path / "my_overlay"
+    overlay.mkdir()
+    (overlay / "guess-number.yaml").write_text(files["my_overlay/guess-number.yaml"])
+    base = os.path.relpath(ROOT / "k8s" / "base", overlay)
+    (overlay / "kustomization.yaml").write_text(files["my_overlay/kustomization.yaml"].replace("../forge_rl/k8s/base", base))
+    out = subprocess.run([kubectl(), "kustomize", str(overlay)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    objects = [o for o in yaml.safe_load_all(out.stdout) if o]
+    for o in objects:
+        for version in KUBERNETES_VERSIONS:
+            kubernetes_validate.validate(o, version, strict=True)
+
+    (server,) = pod_spec(find(objects, "Deployment", "guess-number"))["containers"]
+    assert server["command"][:4] == ["python", "-m", "forge_rl.envs", ENV_CLASS]
+    assert server["image"] == "registry.example.com/you/forge-rl-guess-number:0.1.0"
+    (controller,) = pod_spec(find(objects, "Job", "blackjack-grpo"))["containers"]
+    args = controller["command"][3:]
+    assert args[args.index("--config") + 1] == "/opt/my_envs/guess_number.yaml"
+    assert "COPY guess_number.yaml /opt/my_envs/" in files["Dockerfile"] and "ENV PYTHONPATH=/opt/my_envs" in files["Dockerfile"]
+    config = tmp_path / "guess_number.yaml"
+    config.write_text(files["guess_number.yaml"])
+    args[args.index("--config") + 1] = str(config)
+    cfg = parse_cli(args)
+    assert cfg.env.url == "http://guess-number:8000" and cfg.env.server is None
+    service = find(objects, "Service", "guess-number")
+    labels = find(objects, "Deployment", "guess-number")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["ports"][0]["port"] == 8000 and service["spec"]["selector"].items() <= labels.items()
