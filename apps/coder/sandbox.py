@@ -12,7 +12,14 @@ and stderr until it exits or the wall clock runs out. Two isolation modes, picke
 Both modes apply rlimits (CPU seconds, address space, file size, processes, no core files) and a
 scrubbed environment. Run as root, each call also gets its own unused uid, so RLIMIT_NPROC (which
 root ignores) holds, the server's files and /proc entries are out of reach, and leftover
-processes of the run are swept with `kill(-1)` as that uid.
+processes of the run are swept with `kill(-1)` as that uid. In rlimits mode without root, where
+user namespaces allow it (`unshare`), each call gets its own PID namespace and /proc instead: the
+server is invisible to it, cannot be signalled, and the whole tree dies with the call. Where they
+do not, the call shares the server's uid: it can signal the server and read its /proc entries;
+what holds then is the rlimits, the scrubbed environment and the kill of its process group.
+
+A sandbox checks itself when it is made: a known program must run and print, or it raises (a
+virtualenv under /tmp, which bwrap's tmpfs would hide, is bound back over it read-only).
 
 Grading is not `run`'s: a program can forge anything its own process reports. `process` is the
 piece for grading out of the program's process (grading.py, used by both servers).
@@ -100,14 +107,43 @@ def default_python() -> str:
     return "/usr/bin/python3"
 
 
-def _bwrap_argv(tmpfs_mb: int, hidden: tuple[str, ...] = ()) -> list[str]:
-    """`hidden`: folders the program must not read (an empty tmpfs is mounted over each)."""
+def _bwrap_argv(tmpfs_mb: int, hidden: tuple[str, ...] = (), visible: tuple[str, ...] = ()) -> list[str]:
+    """`hidden`: folders the program must not read (an empty tmpfs is mounted over each, last). `visible`:
+    folders under /tmp the interpreter needs, bound back read-only over the working directory's tmpfs."""
     return [
         "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+        "--size", str(tmpfs_mb << 20), "--tmpfs", "/tmp",
+        *(arg for path in visible for arg in ("--ro-bind", path, path)),
         *(arg for path in hidden for arg in ("--tmpfs", path)),
-        "--size", str(tmpfs_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp",
-        "--unshare-all", "--die-with-parent", "--new-session",
+        "--chdir", "/tmp", "--unshare-all", "--die-with-parent", "--new-session",
     ]  # fmt: skip
+
+
+def interpreter_dirs_under_tmp(python: str) -> tuple[str, ...]:
+    """The folders of `python` (its own, its prefix and base prefix, symlinks followed) that lie under /tmp,
+    outermost only: a checkout under /tmp with its virtualenv, whose interpreter bwrap's tmpfs would hide."""
+    try:
+        found = subprocess.run([python, "-I", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
+                               capture_output=True, text=True, timeout=60).stdout.splitlines()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        found = []
+    paths = {os.path.dirname(os.path.abspath(python)), os.path.dirname(os.path.realpath(python)), *found}
+    paths |= {os.path.realpath(p) for p in paths}
+    under = sorted(p for p in paths if p.startswith("/tmp/"))
+    return tuple(p for p in under if not any(p.startswith(q + "/") for q in under))
+
+
+def own_pid_namespace(python: str) -> list[str]:
+    """The command prefix that runs a program in a PID namespace (and /proc) of its own without root
+    (util-linux `unshare` in a user namespace), or [] where this host does not allow it."""
+    prefix = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc"]
+    if shutil.which("unshare") is None:
+        return []
+    try:
+        proc = subprocess.run(prefix + [python, "-I", "-c", "import os; print(os.getpid())"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return prefix if proc.returncode == 0 and proc.stdout.strip() == "1" else []
 
 
 def _environment(home: str) -> dict[str, str]:
@@ -120,9 +156,10 @@ def detect_isolation(python: str | None = None) -> str:
     if shutil.which("bwrap") is None:
         return "rlimits"
     user = {"user": 65534, "group": 65534, "extra_groups": []} if os.geteuid() == 0 else {}
+    python = python or default_python()
     try:
         proc = subprocess.run(
-            _bwrap_argv(1) + [python or default_python(), "-c", "pass"],
+            _bwrap_argv(1, visible=interpreter_dirs_under_tmp(python)) + [python, "-c", "pass"],
             capture_output=True, timeout=10, env={"PATH": "/usr/bin:/bin"}, **user,
         )  # fmt: skip
     except (OSError, subprocess.SubprocessError):
@@ -158,7 +195,8 @@ class Sandbox:
     is empty (waited for); in rlimits mode the process group is killed and, as root, the run's
     uid swept with SIGKILL (the kernel may take a moment to reap those). Its working directory
     is gone. The uid goes back to the pool (FIFO) only after that. Not guaranteed in rlimits
-    mode without root: a process that leaves the group and sleeps survives the run.
+    mode without root and without a PID namespace of its own: a process that leaves the group and
+    sleeps survives the run.
     """
 
     def __init__(
@@ -175,6 +213,7 @@ class Sandbox:
                              "(not installed, or no user namespaces); use 'auto' or 'rlimits'")  # fmt: skip
         self.isolation = detected if isolation == "auto" else isolation
         self.hidden = tuple(os.path.realpath(p) for p in hidden if os.path.isdir(p))  # bwrap mounts on real paths
+        self.visible = interpreter_dirs_under_tmp(self.python) if self.isolation == "bwrap" else ()
         self._kill = [shutil.which("kill") or "/bin/kill", "-9", "-1"]
         if not os.path.exists(self._kill[0]):  # slim images: do it with the interpreter instead
             self._kill = [self.python, "-c", "import os; os.kill(-1, 9)"]
@@ -185,6 +224,31 @@ class Sandbox:
         self._uids: queue.Queue[int] = queue.Queue()
         for uid in range(base, base + _UID_POOL_SIZE):
             self._uids.put(uid)
+        # rlimits mode shares the server's uid without root: keep the server out of reach where a PID namespace can be made
+        self._unshare = own_pid_namespace(self.python) if self.isolation == "rlimits" and not self._as_root else []
+        self._check()
+
+    def _check(self) -> None:
+        """A known program must run and print: a sandbox that cannot start its interpreter would grade
+        every program as a wrong answer, silently."""
+        try:
+            result = self.run("print('forge_rl sandbox check')")
+        except OSError as e:  # rlimits mode: the interpreter itself did not start
+            raise RuntimeError(f"the {self.isolation} sandbox cannot run programs with {self.python}: {e}; "
+                               "check SANDBOX_PYTHON and SANDBOX_ISOLATION") from None
+        if result.stdout != "forge_rl sandbox check\n" or result.exit_code != 0:
+            why = (result.stderr.strip().splitlines() or ["nothing on stderr"])[-1][:300]
+            raise RuntimeError(f"the {self.isolation} sandbox cannot run programs with {self.python}: a known program "
+                               f"printed {result.stdout[:100]!r} and exited {result.exit_code} ({why}); "
+                               "check SANDBOX_PYTHON and SANDBOX_ISOLATION")  # fmt: skip
+
+    def _command(self, args: list[str], info_w: int) -> list[str]:
+        """`python -I *args` as this sandbox starts it: in bwrap (which reports on `info_w`), or in rlimits mode
+        in a PID namespace of its own where one can be made without root."""
+        command = [self.python, "-I", *args]
+        if self.isolation == "bwrap":
+            return _bwrap_argv(self.limits.tmpfs_mb, self.hidden, self.visible) + ["--info-fd", str(info_w)] + command
+        return self._unshare + command
 
     def run(self, code: str, timeout_s: float | None = None) -> ExecutionResult:
         """Run `code` in a fresh child; blocks until it ends or times out."""
@@ -216,9 +280,7 @@ class Sandbox:
                 if uid is not None:
                     os.chown(workdir, uid, uid)
             info_r, info_w = os.pipe()
-            full = [self.python, "-I", *argv]
-            if self.isolation == "bwrap":
-                full = _bwrap_argv(self.limits.tmpfs_mb, self.hidden) + ["--info-fd", str(info_w)] + full
+            full = self._command(argv, info_w)
             user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
             try:
                 proc = subprocess.Popen(
@@ -274,9 +336,7 @@ class Sandbox:
     def _run(self, code: str, timeout: float, uid: int | None, workdir: str | None) -> ExecutionResult:
         info_r, info_w = os.pipe()  # bwrap writes {"child-pid": N}: the namespace's init, seen from here
         keep = (info_w,) if self.isolation == "bwrap" else ()
-        argv = [self.python, "-I", "-c", _HARNESS]
-        if self.isolation == "bwrap":
-            argv = _bwrap_argv(self.limits.tmpfs_mb, self.hidden) + ["--info-fd", str(info_w)] + argv
+        argv = self._command(["-c", _HARNESS], info_w)
         env = _environment(workdir or "/tmp")
         user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
         start = time.monotonic()
