@@ -128,7 +128,7 @@ def test_a_reference_model_whose_process_died_is_restarted_and_the_call_retried(
     ids = [torch.tensor([1, 2, 3, 4, 5])]
 
     async def main():
-        reference = await ReferenceModel.options(num_replicas=1, health_interval_s=3600).as_service(str(path))
+        reference = await ReferenceModel.options(num_replicas=1, health_interval_s=3600).as_service(str(path), micro_batch_size=8)
         try:
             (before,) = await reference.route("logprobs", ids)
             pid = await pid_of(reference.replicas[0])

@@ -61,7 +61,7 @@ def actors(loop, model_dir):
         one, two, ref, _ = await asyncio.gather(
             Trainer.options(procs=1).as_actor(model_dir, GRPOLoss(GRPO), OPTIM, micro_batch_size=2),
             Trainer.options(procs=2).as_actor(model_dir, GRPOLoss(GRPO), OPTIM, micro_batch_size=2),
-            ReferenceModel.options(num_replicas=1).as_service(model_dir),
+            ReferenceModel.options(num_replicas=1).as_service(model_dir, micro_batch_size=2),
             control.start(),
         )
         return one, two, ref
@@ -373,7 +373,7 @@ def test_on_policy_train_step_has_ratio_one_at_the_sampling_temperature(model_di
     assert metrics["ratio_min"] == pytest.approx(1, abs=1e-4) and metrics["ratio_max"] == pytest.approx(1, abs=1e-4)
     assert metrics["num_tokens"] == sum(int(e.loss_mask.sum()) for e in batch)
 
-    reference = in_process(ReferenceModel, model_dir, temperature=temperature)
+    reference = in_process(ReferenceModel, model_dir, micro_batch_size=2, temperature=temperature)
     ref_lp = asyncio.run(ReferenceModel.logprobs._method(reference, [e.tokens for e in batch]))
     assert_lists_close([lp * e.loss_mask for lp, e in zip(ref_lp, batch)], [e.behaviour_logprobs for e in batch], 1e-4)
 
