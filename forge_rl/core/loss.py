@@ -190,6 +190,7 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,  # [B, T] reference log-probs; needed if kl_coef
     logits: torch.Tensor | None = None,  # [B, T, V] only for the entropy bonus / metric
     denominator: float | None = None,  # see AGGREGATIONS; None: normalise by this batch
+    batch_entropy: float | None = None,  # with entropy_floor: the whole batch's mean entropy, when this is a piece
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped-ratio policy loss + KL + entropy bonus, aggregated over masked tokens.
 
@@ -232,13 +233,15 @@ def grpo_loss(
         entropy = token_entropy(logits)
         bonus = config.entropy_coef * entropy  # [B, T]
         if config.entropy_floor is not None:
-            # An entropy floor: the bonus acts only while this batch's mean entropy per trained token is
+            # An entropy floor: the bonus acts only while the batch's mean entropy per trained token is
             # below it, so exploration is kept without the steady pull toward uniform that a bonus always on
             # exerts (with Adam even a small one moves the weights at full step size on steps where every
             # group's rewards are equal, so rare successes are undone). As Skywork-OR1's adaptive entropy
             # control, whose coefficient acts only below its target entropy; this one is on or off, no state.
-            below = (entropy * mask).sum() / mask.sum().clamp(min=1) < config.entropy_floor
-            bonus = bonus * below.detach()
+            # Decided for the whole batch: a micro-batch or a rank's share is given the batch's entropy.
+            if batch_entropy is None:
+                batch_entropy = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+            bonus = bonus * float(batch_entropy < config.entropy_floor)
         per_token = per_token - bonus
     elif logits is not None:
         with torch.no_grad():  # a metric only: no [B, T, V] graph kept for it

@@ -30,6 +30,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 
 from forge_rl.compat.torch import set_scheduler_lr
 from forge_rl.core.config import OptimizerConfig
+from forge_rl.core.loss import token_entropy
 from forge_rl.core.types import Episode
 from forge_rl.engines.titan.model import (
     autocast,
@@ -63,7 +64,8 @@ class Trainer(ForgeActor):
     batch, trains on its slice, FSDP sums the gradients).
 
     The loss function (core/objective.py `GRPOLoss` is one): `advantages(episodes) -> [B]`;
-    `prepare(tensors) -> denominator`, on the whole batch before its micro-batches; and
+    `prepare(tensors, mean_entropy) -> denominator`, on the whole batch before its micro-batches
+    (`mean_entropy()`: the batch's mean entropy per trained token, all ranks', by a forward without grad); and
     `loss_fn(logprobs [B, T], piece, logits, denominator) -> (loss, metrics)` per micro-batch, where `piece`
     holds "behaviour", "mask" (weighted), "ages", "ref" (when given) as [B, T] and "advantages" [B], and the
     pieces' gradients add up to the batch's. Its metrics must include `num_tokens` (see `reduction` for the
@@ -127,7 +129,7 @@ class Trainer(ForgeActor):
         if self.loss_fn is None:
             raise ValueError("Trainer.train_step: this trainer was built without a loss_fn")
         t = self._tensors(batch, self.loss_fn.advantages(batch), ref_logprobs)
-        denominator = self.loss_fn.prepare(t)
+        denominator = self.loss_fn.prepare(t, lambda: self._mean_entropy(t))
         total_loss, tokens = 0.0, 0.0
         sums, lows, highs = defaultdict(float), {}, {}
         for piece, weight in self._micro_batches(len(batch)):
@@ -276,6 +278,22 @@ class Trainer(ForgeActor):
                 self.model, t["tokens"][rows, :length].to(self.device), True, self.allowed_token_ids, self.temperature
             )
         return self.loss_fn(lp[:, 1:], piece, logits, denominator)
+
+    @torch.no_grad()
+    def _mean_entropy(self, t: dict) -> float:
+        """The policy's mean next-token entropy over the batch's trained tokens (mask weights), every rank's
+        rows together, under the current weights: a decision a loss makes once per step, on every rank alike."""
+        total, tokens = 0.0, 0.0
+        for rows, weight in self._micro_batches(len(t["lengths"])):
+            length = max(2, int(t["lengths"][rows].max()))
+            with autocast(self.device, self.dtype):
+                _, logits = sequence_logprobs(
+                    self.model, t["tokens"][rows, :length].to(self.device), True, self.allowed_token_ids, self.temperature
+                )
+            mask = t["mask"][rows, 1:length].to(self.device) * weight
+            total, tokens = total + (token_entropy(logits) * mask).sum().item(), tokens + mask.sum().item()
+        sums = self._all_sum({"entropy": total, "tokens": tokens})
+        return sums["entropy"] / max(sums["tokens"], 1.0)
 
     def _imitation_backward(self, episodes: list[Episode], coef: float) -> float:
         """Backward of coef x the mean NLL of the episodes' sampled tokens (their loss_mask); returns that NLL.
