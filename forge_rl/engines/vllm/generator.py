@@ -271,7 +271,7 @@ class Generator(ForgeActor):
                         try:
                             await self.engine.collective_rpc(load, args=args)
                         except BaseException:
-                            self.policy_version = -1
+                            await self._of_no_version()
                             raise
                         if not await self.engine.reset_prefix_cache():
                             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
@@ -290,7 +290,7 @@ class Generator(ForgeActor):
             try:
                 await self.engine.collective_rpc("finish_loading")
             except BaseException:
-                self.policy_version = -1
+                await self._of_no_version()
                 raise
 
     @endpoint
@@ -313,12 +313,20 @@ class Generator(ForgeActor):
             try:
                 await self.engine.collective_rpc(load, args=args)
             except BaseException:
-                self.policy_version = -1
+                await self._of_no_version()
                 raise
             await self.engine.update_weight_version(str(version))
             self.policy_version = version
         finally:
             await self.engine.resume_generation()
+
+    async def _of_no_version(self) -> None:
+        """After a load that failed midway the engine holds a mix of versions: new tokens are stamped -1, by
+        this actor and by vLLM's own stamp, which tags the tokens of partial rollouts (and of requests
+        paused across the load)."""
+        self.policy_version = -1
+        with contextlib.suppress(Exception):  # a dead engine stamps nothing any more
+            await self.engine.update_weight_version("-1")
 
     @endpoint
     async def current_version(self) -> int:
