@@ -92,7 +92,10 @@ class ChatServer:
 
     def __init__(self, tokenizer, generate, sampling: dict, greedy: dict, config: ChatConfig, max_model_len: int):
         self.tokenizer, self.renderer = tokenizer, Renderer(tokenizer)
-        self.generate, self.sampling, self.greedy = generate, sampling, greedy
+        self.generate = generate
+        # A reply ends at the template's end of turn, also where that is not the tokenizer's eos (a base model's).
+        stop = {"stop_token_ids": [self.renderer.end_id]} if self.renderer.end_id != tokenizer.eos_token_id else {}
+        self.sampling, self.greedy = {**sampling, **stop}, {**greedy, **stop}
         self.config, self.max_model_len = config, max_model_len
         self.rollouts: dict[str, Rollout] = {}
         self.finished: OrderedDict[str, None] = OrderedDict()  # recently ended ids, to say "ended", not "unknown"
