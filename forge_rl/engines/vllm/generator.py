@@ -35,6 +35,7 @@ from forge_rl.engines.vllm.worker import KEEP_FREED_MEMORY
 from forge_rl.runtime.actor import ForgeActor
 from forge_rl.runtime.service import ReplicaDead
 from forge_rl.weights import control, shm
+from forge_rl.weights.layout import StaleWeightsError
 
 WORKER_EXTENSION = "forge_rl.engines.vllm.worker.WeightSyncExtension"
 logger = logging.getLogger(__name__)
@@ -358,12 +359,32 @@ def token_versions(spans, num_tokens: int, default: int) -> list[int]:
     return versions
 
 
+CATCH_UP_S = 120.0  # how long a restarted replica keeps asking for the newest version while pushes race it
+
+
 async def catch_up(replica, prefix: str = "policy") -> None:
     """Service.after_restart for generators: load the newest pushed weights into a restarted replica before
     it takes calls. Looped because a push may land while it loads (the fanout of that version skipped this
-    replica, which was not yet healthy)."""
-    loaded = 0
+    replica, which was not yet healthy). The newest version may be mid-push (a shared-memory buffer still
+    being written) or, by the time it is fetched, dropped (the step after deletes it) or overwritten (the
+    push after next reuses its buffer): then it asks again, for up to CATCH_UP_S."""
+    loaded, deadline = 0, asyncio.get_running_loop().time() + CATCH_UP_S
     while (latest := await control.latest_pushed_version(prefix)) > loaded:
-        await replica.actor.update_weights.call(latest)
+        try:
+            await replica.actor.update_weights.call(latest)
+        except Exception as e:
+            if not _superseded(e) or asyncio.get_running_loop().time() > deadline:
+                raise
+            logger.info("generator replica %d: weights version %d not loadable yet (%s); asking again", replica.index, latest, e)
+            await asyncio.sleep(0.2)
+            continue
         logger.warning("generator replica %d restarted and caught up to weights version %d", replica.index, latest)
         loaded = latest
+
+
+def _superseded(e: BaseException) -> bool:
+    """Did a load fail because its version is not (or no longer) whole where its handle says: still being
+    written, overwritten or dropped? Raised in the actor, Monarch's ActorError carries it; raised in a vLLM
+    worker, only its message crosses the engine ("weight buffer ... refused" / "... is gone")."""
+    cause = getattr(e, "exception", e)
+    return isinstance(cause, (StaleWeightsError, KeyError)) or "weight buffer" in str(cause)
