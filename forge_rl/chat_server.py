@@ -2,7 +2,9 @@
 
 The config's policy is served by generators launched as a run would; agents (any OpenAI or Anthropic SDK)
 open rollouts with `POST /rollouts` and end them with `POST /s/<id>/end` (rollout/chat_server.py). It
-serves until Ctrl-C or SIGTERM.
+serves until Ctrl-C or SIGTERM, then stops within STOP_BOUND_S, engines included, whatever it was doing
+(requests in flight are cancelled after 2 s; past the bound the process ends itself, and its actor and
+engine processes end with it).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
+STOP_BOUND_S = 60.0  # from the stop (Ctrl-C, SIGTERM) to the end of the process
 
 async def serve(cfg) -> None:
     """Serve the config's policy (generators launched as a run would) until cancelled."""
@@ -45,6 +48,9 @@ async def serve(cfg) -> None:
         print(f"chat server: {url} (POST {url}/rollouts to open a rollout)", flush=True)
         await asyncio.Event().wait()
     finally:
+        from forge_rl.recipes.grpo.main import exit_within
+
+        exit_within(STOP_BOUND_S, 130)  # whatever holds up the stop below
         await server.stop()
         await policy.stop()
 
@@ -58,7 +64,10 @@ def main() -> None:
         argv[i : i + 2] = [f"chat.port={argv[i + 1] if i + 1 < len(argv) else ''}"]
     cfg = parse_cli(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))  # stop cleanly, as grpo does
+    # SIGTERM stops it as Ctrl-C does, as grpo's; SIGINT restored first: a script's background job inherits it
+    # ignored (and SIGTERM, turned into it, did nothing either).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     try:
         asyncio.run(serve(cfg))
     except KeyboardInterrupt:

@@ -121,7 +121,8 @@ def build_scripted_model(path: Path) -> Path:
 class ChatServerProcess:
     """`python -m forge_rl.chat_server` in a subprocess, with helpers to open rollouts and read them."""
 
-    def __init__(self, tmp: Path, model_path: Path, *overrides: str, max_model_len: int = 192):
+    def __init__(self, tmp: Path, model_path: Path, *overrides: str, max_model_len: int = 192, sigint_ignored: bool = False):
+        """`sigint_ignored`: started as a script's background job is (SIGINT ignored)."""
         self.port, self.log_path = free_port(), tmp / "chat_server.log"
         self.url = f"http://127.0.0.1:{self.port}"
         args = [
@@ -130,7 +131,10 @@ class ChatServerProcess:
             f"generator.max_model_len={max_model_len}", "generator.gpu_memory_utilization=0.01", *overrides,
         ]
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.proc = subprocess.Popen(
+            args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
+        )
         deadline = time.time() + 600
         while time.time() < deadline:
             assert self.proc.poll() is None, f"chat server exited:\n{self.log_path.read_text()[-4000:]}"

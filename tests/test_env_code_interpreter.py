@@ -191,3 +191,28 @@ def test_network_socket(server):
     else:  # documented: rlimits mode has the server's network; Kubernetes adds a NetworkPolicy
         assert obs["stdout"].strip() in ("connected", "blocked ConnectionRefusedError")
     assert_healthy(server)
+
+
+def test_sigterm_stops_the_server_with_a_session_open_and_a_step_in_flight():
+    """kubectl delete or `timeout` send SIGTERM: the server stops within its grace period even while a
+    session is open and a step runs a program that would take a minute (uvicorn alone waits for it)."""
+    import signal
+
+    from forge_rl.envs import SHUTDOWN_GRACE_S
+
+    with launch_local("apps.coder.interpreter:CodeInterpreterEnvironment", env={"SANDBOX_TIMEOUT_S": "60"}) as server:
+
+        async def go():
+            async with EnvSession(server.url, timeout_s=120, restore="none") as session:
+                await session.reset()
+                step = asyncio.ensure_future(session.step({"code": "import time\ntime.sleep(60)"}))
+                await asyncio.sleep(1)
+                server.proc.send_signal(signal.SIGTERM)
+                start = time.monotonic()
+                while server.proc.poll() is None and time.monotonic() - start < SHUTDOWN_GRACE_S + 20:
+                    await asyncio.sleep(0.1)
+                await asyncio.gather(step, return_exceptions=True)
+                return time.monotonic() - start
+
+        elapsed = asyncio.run(go())
+        assert server.proc.poll() is not None, f"still serving {elapsed:.0f} s after SIGTERM"

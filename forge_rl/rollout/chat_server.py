@@ -123,7 +123,8 @@ class ChatServer:
             web.post("/s/{rollout_id}/v1/chat/completions", self._chat_completions),
             web.post("/s/{rollout_id}/v1/messages", self._messages),
         ])
-        self._runner = web.AppRunner(app, access_log=None)
+        # Stopping waits this long for requests in flight, then cancels them (aiohttp's default waits 60 s).
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
         sock = socket.create_server((self.config.host, self.config.port))
         await web.SockSite(self._runner, sock).start()
