@@ -13,7 +13,8 @@ import urllib.request
 import pytest
 
 from apps.code_agent.agent import TASKS, submission
-from apps.coder.sandbox import _HARNESS, detect_isolation
+from apps.coder.isolation import detect_isolation
+from apps.coder.sandbox import _HARNESS
 from forge_rl.envs.local import launch_local
 from forge_rl.rollout.env_client import EnvError, EnvSession
 from tests.test_env_code_task import HOSTILE as HOSTILE_SUBMISSIONS

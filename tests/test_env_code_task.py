@@ -14,7 +14,7 @@ from forge_rl.rollout.env_client import EnvError, EnvSession
 from forge_rl.envs.local import launch_local
 from apps.coder.task import synthesize
 from apps.coder.env import MAX_CODE_CHARS, compiles, graded, humaneval_tasks, synth_task
-from apps.coder.sandbox import detect_isolation
+from apps.coder.isolation import detect_isolation
 
 TIMEOUT_S = 2
 MODES = sorted({detect_isolation(), "rlimits"})

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from apps.coder.sandbox import Sandbox, default_python, detect_isolation
+from apps.coder.isolation import default_python, detect_isolation
+from apps.coder.sandbox import Sandbox
 from forge_rl.envs.local import launch_local
 from tests.test_env_code_task import episode
 

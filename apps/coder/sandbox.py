@@ -12,14 +12,10 @@ and stderr until it exits or the wall clock runs out. Two isolation modes, picke
 Both modes apply rlimits (CPU seconds, address space, file size, processes, no core files) and a
 scrubbed environment. Run as root, each call also gets its own unused uid, so RLIMIT_NPROC (which
 root ignores) holds, the server's files and /proc entries are out of reach, and leftover
-processes of the run are swept with `kill(-1)` as that uid. In rlimits mode without root, where
-user namespaces allow it (`unshare`), each call gets its own PID namespace and /proc instead: the
-server is invisible to it, cannot be signalled, and the whole tree dies with the call. Where they
-do not, the call shares the server's uid: it can signal the server and read its /proc entries;
-what holds then is the rlimits, the scrubbed environment and the kill of its process group.
-
-A sandbox checks itself when it is made: a known program must run and print, or it raises (a
-virtualenv under /tmp, which bwrap's tmpfs would hide, is bound back over it read-only).
+processes of the run are swept with `kill(-1)` as that uid. Without root, rlimits mode gives each
+call its own PID namespace and /proc where user namespaces allow (`unshare`): the server is out of
+its reach; where not, it shares the server's uid and can signal it. A sandbox checks itself when made
+(a known program must run and print, or it raises).
 
 Grading is not `run`'s: a program can forge anything its own process reports. `process` is the
 piece for grading out of the program's process (grading.py, used by both servers).
@@ -36,12 +32,12 @@ import resource
 import selectors
 import shutil
 import signal
-import stat
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
+
+from apps.coder.isolation import bwrap_argv, default_python, detect_isolation, interpreter_dirs_under_tmp, own_pid_namespace
 
 # Runs inside the child: reads the program (a JSON string) from stdin and runs it as __main__.
 _HARNESS = r"""
@@ -89,82 +85,9 @@ class ExecutionResult:
     duration_s: float = 0.0
 
 
-def _executable_by_anyone(path: str) -> bool:
-    """Whether a different uid can run `path`: every parent searchable, the file executable."""
-    path = os.path.realpath(path)
-    parts = [path] + [os.path.dirname(path)]
-    while parts[-1] != "/":
-        parts.append(os.path.dirname(parts[-1]))
-    return all(os.stat(p).st_mode & stat.S_IXOTH for p in parts)
-
-
-def default_python() -> str:
-    """SANDBOX_PYTHON if set; else this interpreter if another uid can run it; else the system's."""
-    if os.environ.get("SANDBOX_PYTHON"):
-        return os.environ["SANDBOX_PYTHON"]
-    if os.geteuid() != 0 or _executable_by_anyone(sys.executable):
-        return sys.executable
-    return "/usr/bin/python3"
-
-
-def _bwrap_argv(tmpfs_mb: int, hidden: tuple[str, ...] = (), visible: tuple[str, ...] = ()) -> list[str]:
-    """`hidden`: folders the program must not read (an empty tmpfs is mounted over each, last). `visible`:
-    folders under /tmp the interpreter needs, bound back read-only over the working directory's tmpfs."""
-    return [
-        "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-        "--size", str(tmpfs_mb << 20), "--tmpfs", "/tmp",
-        *(arg for path in visible for arg in ("--ro-bind", path, path)),
-        *(arg for path in hidden for arg in ("--tmpfs", path)),
-        "--chdir", "/tmp", "--unshare-all", "--die-with-parent", "--new-session",
-    ]  # fmt: skip
-
-
-def interpreter_dirs_under_tmp(python: str) -> tuple[str, ...]:
-    """The folders of `python` (its own, its prefix and base prefix, symlinks followed) that lie under /tmp,
-    outermost only: a checkout under /tmp with its virtualenv, whose interpreter bwrap's tmpfs would hide."""
-    try:
-        found = subprocess.run([python, "-I", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
-                               capture_output=True, text=True, timeout=60).stdout.splitlines()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        found = []
-    paths = {os.path.dirname(os.path.abspath(python)), os.path.dirname(os.path.realpath(python)), *found}
-    paths |= {os.path.realpath(p) for p in paths}
-    under = sorted(p for p in paths if p.startswith("/tmp/"))
-    return tuple(p for p in under if not any(p.startswith(q + "/") for q in under))
-
-
-def own_pid_namespace(python: str) -> list[str]:
-    """The command prefix that runs a program in a PID namespace (and /proc) of its own without root
-    (util-linux `unshare` in a user namespace), or [] where this host does not allow it."""
-    prefix = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc"]
-    if shutil.which("unshare") is None:
-        return []
-    try:
-        proc = subprocess.run(prefix + [python, "-I", "-c", "import os; print(os.getpid())"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return prefix if proc.returncode == 0 and proc.stdout.strip() == "1" else []
-
-
 def _environment(home: str) -> dict[str, str]:
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8",
             "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
-
-
-def detect_isolation(python: str | None = None) -> str:
-    """'bwrap' if bubblewrap can start a sandbox here (as the uid runs will use), else 'rlimits'."""
-    if shutil.which("bwrap") is None:
-        return "rlimits"
-    user = {"user": 65534, "group": 65534, "extra_groups": []} if os.geteuid() == 0 else {}
-    python = python or default_python()
-    try:
-        proc = subprocess.run(
-            _bwrap_argv(1, visible=interpreter_dirs_under_tmp(python)) + [python, "-c", "pass"],
-            capture_output=True, timeout=10, env={"PATH": "/usr/bin:/bin"}, **user,
-        )  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return "rlimits"
-    return "bwrap" if proc.returncode == 0 else "rlimits"
 
 
 def _wait_for_namespace(info_r: int, limit_s: float = 10.0) -> None:
@@ -224,30 +147,30 @@ class Sandbox:
         self._uids: queue.Queue[int] = queue.Queue()
         for uid in range(base, base + _UID_POOL_SIZE):
             self._uids.put(uid)
-        # rlimits mode shares the server's uid without root: keep the server out of reach where a PID namespace can be made
         self._unshare = own_pid_namespace(self.python) if self.isolation == "rlimits" and not self._as_root else []
         self._check()
 
     def _check(self) -> None:
-        """A known program must run and print: a sandbox that cannot start its interpreter would grade
-        every program as a wrong answer, silently."""
+        """A known program must run and print: a sandbox that cannot start its interpreter (hidden, or not
+        executable by the runs' uid) would grade every program as a wrong answer, silently."""
         try:
             result = self.run("print('forge_rl sandbox check')")
-        except OSError as e:  # rlimits mode: the interpreter itself did not start
-            raise RuntimeError(f"the {self.isolation} sandbox cannot run programs with {self.python}: {e}; "
-                               "check SANDBOX_PYTHON and SANDBOX_ISOLATION") from None
-        if result.stdout != "forge_rl sandbox check\n" or result.exit_code != 0:
-            why = (result.stderr.strip().splitlines() or ["nothing on stderr"])[-1][:300]
-            raise RuntimeError(f"the {self.isolation} sandbox cannot run programs with {self.python}: a known program "
-                               f"printed {result.stdout[:100]!r} and exited {result.exit_code} ({why}); "
-                               "check SANDBOX_PYTHON and SANDBOX_ISOLATION")  # fmt: skip
+        except OSError as e:  # rlimits mode: the interpreter did not start
+            why = str(e)
+        else:
+            if result.stdout == "forge_rl sandbox check\n" and result.exit_code == 0:
+                return
+            last = (result.stderr.strip().splitlines() or ["nothing on stderr"])[-1][:300]
+            why = f"a known program printed {result.stdout[:100]!r} and exited {result.exit_code}: {last}"
+        raise RuntimeError(f"the {self.isolation} sandbox cannot run programs with {self.python} ({why}); "
+                           "check SANDBOX_PYTHON and SANDBOX_ISOLATION")
 
     def _command(self, args: list[str], info_w: int) -> list[str]:
         """`python -I *args` as this sandbox starts it: in bwrap (which reports on `info_w`), or in rlimits mode
         in a PID namespace of its own where one can be made without root."""
         command = [self.python, "-I", *args]
         if self.isolation == "bwrap":
-            return _bwrap_argv(self.limits.tmpfs_mb, self.hidden, self.visible) + ["--info-fd", str(info_w)] + command
+            return bwrap_argv(self.limits.tmpfs_mb, self.hidden, self.visible) + ["--info-fd", str(info_w)] + command
         return self._unshare + command
 
     def run(self, code: str, timeout_s: float | None = None) -> ExecutionResult:

