@@ -18,6 +18,7 @@ from pathlib import Path
 
 STOP_BOUND_S = 60.0  # from the stop (Ctrl-C, SIGTERM) to the end of the process
 
+
 async def serve(cfg) -> None:
     """Serve the config's policy (generators launched as a run would) until cancelled."""
     import torch

@@ -11,8 +11,8 @@ reply the server gave (content and tool calls; ids ignored), then any number of 
 template renders the previous prompt and the reply as a prefix of the new conversation. The new prompt
 is then the segment's ids so far, the end-of-turn id if the reply stopped without it (the template's own,
 which need not be the tokenizer's eos), and the ids of the text that follows the reply (the template's
-text after its end-of-turn token, every new message, the generation prompt) tokenized alone. Otherwise the segment is SEALED with a reason and a new one
-starts from a full render of the request:
+text after its end-of-turn token, every new message, the generation prompt) tokenized alone. Otherwise
+the segment is SEALED with a reason and a new one starts from a full render of the request:
 
     compaction        the history before the reply is not the previous request's (turns dropped, summarised)
     assistant_edited  an assistant message differs from what the policy said, or the reply is missing
