@@ -34,7 +34,7 @@ from tokenizers import AddedToken, Tokenizer
 from forge_rl.core.config import GRPOConfig
 from forge_rl.core.objective import episode_advantages
 from forge_rl.core.net import free_port
-from forge_rl.rollout.segments import Segment
+from forge_rl.core.types import Episode
 from forge_rl.models.tiny import build_tiny_model
 from forge_rl.engines.titan.trainer import Trainer
 
@@ -312,11 +312,20 @@ def check_compaction(server):
 
     # the trainer's advantages: the compacted rollout's two segments count once in the group
     def episodes(trajectory, rollout_id):
-        return [Segment(**{k: s[k] for k in ("token_ids", "sampled", "logprobs", "versions")}).to_episode(trajectory["reward"], "g", rollout_id) for s in trajectory["segments"]]
+        return [episode_of(s, trajectory["reward"], rollout_id) for s in trajectory["segments"]]
 
     batch = episodes(server.end(plain, 0.0), plain) + episodes({"reward": 1.0, "segments": segments}, compacted)
     advantages = episode_advantages(batch, GRPOConfig(normalize_std=False)).tolist()
     assert advantages == [-0.5, 0.5, 0.5]  # rollouts [0, 1]: mean 0.5; not [-2/3, 1/3, 1/3]
+
+
+def episode_of(segment: dict, reward: float, rollout_id: str) -> Episode:
+    """The Episode of a /trajectory segment, each sampled token with the version the server recorded for it."""
+    versions = [-1 if v is None else v for v in segment["versions"]]
+    return Episode(
+        torch.tensor(segment["token_ids"]), torch.tensor(segment["sampled"]), torch.tensor(segment["logprobs"]), reward,
+        min(v for v, s in zip(versions, segment["sampled"]) if s), "g", torch.tensor(versions), rollout_id,
+    )
 
 
 def check_assistant_edited(server):

@@ -298,7 +298,7 @@ def test_a_generator_restarting_during_a_shm_push_waits_for_it_and_catches_up(tm
             await publish(original, 4)
             await policy.fanout("update_weights", 4)
             (last,) = await policy.route("generate", [1, 2, 3], GREEDY)
-            assert last.policy_version == 4 and last.logprobs == after.logprobs
+            assert last.policy_version == 4 and last.logprobs == pytest.approx(after.logprobs, abs=1e-4)  # F.linear or oneDNN
         finally:
             await policy.stop()
             buffers.close()
