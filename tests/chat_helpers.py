@@ -34,7 +34,7 @@ from tokenizers import AddedToken, Tokenizer
 from forge_rl.core.config import GRPOConfig
 from forge_rl.core.objective import episode_advantages
 from forge_rl.core.net import free_port
-from forge_rl.rollout.segments import Segment
+from forge_rl.core.types import Episode
 from forge_rl.models.tiny import build_tiny_model
 from forge_rl.engines.titan.trainer import Trainer
 
@@ -121,7 +121,8 @@ def build_scripted_model(path: Path) -> Path:
 class ChatServerProcess:
     """`python -m forge_rl.chat_server` in a subprocess, with helpers to open rollouts and read them."""
 
-    def __init__(self, tmp: Path, model_path: Path, *overrides: str, max_model_len: int = 192):
+    def __init__(self, tmp: Path, model_path: Path, *overrides: str, max_model_len: int = 192, sigint_ignored: bool = False):
+        """`sigint_ignored`: started as a script's background job is (SIGINT ignored)."""
         self.port, self.log_path = free_port(), tmp / "chat_server.log"
         self.url = f"http://127.0.0.1:{self.port}"
         args = [
@@ -130,7 +131,10 @@ class ChatServerProcess:
             f"generator.max_model_len={max_model_len}", "generator.gpu_memory_utilization=0.01", *overrides,
         ]
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.proc = subprocess.Popen(
+            args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
+        )
         deadline = time.time() + 600
         while time.time() < deadline:
             assert self.proc.poll() is None, f"chat server exited:\n{self.log_path.read_text()[-4000:]}"
@@ -308,11 +312,20 @@ def check_compaction(server):
 
     # the trainer's advantages: the compacted rollout's two segments count once in the group
     def episodes(trajectory, rollout_id):
-        return [Segment(**{k: s[k] for k in ("token_ids", "sampled", "logprobs", "versions")}).to_episode(trajectory["reward"], "g", rollout_id) for s in trajectory["segments"]]
+        return [episode_of(s, trajectory["reward"], rollout_id) for s in trajectory["segments"]]
 
     batch = episodes(server.end(plain, 0.0), plain) + episodes({"reward": 1.0, "segments": segments}, compacted)
     advantages = episode_advantages(batch, GRPOConfig(normalize_std=False)).tolist()
     assert advantages == [-0.5, 0.5, 0.5]  # rollouts [0, 1]: mean 0.5; not [-2/3, 1/3, 1/3]
+
+
+def episode_of(segment: dict, reward: float, rollout_id: str) -> Episode:
+    """The Episode of a /trajectory segment, each sampled token with the version the server recorded for it."""
+    versions = [-1 if v is None else v for v in segment["versions"]]
+    return Episode(
+        torch.tensor(segment["token_ids"]), torch.tensor(segment["sampled"]), torch.tensor(segment["logprobs"]), reward,
+        min(v for v, s in zip(versions, segment["sampled"]) if s), "g", torch.tensor(versions), rollout_id,
+    )
 
 
 def check_assistant_edited(server):

@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_tiny_config_trains_on_graded_submissions(tmp_path):
     run_dir = tmp_path / "run"
     small = ["trainer.max_steps=2", "grpo.batch_size=2", "grpo.group_size=4", "rollout.num_workers=2",
-             "eval.interval=2", "eval.num_games=8", "logging.tensorboard=false", "trainer.checkpoint_every=0"]  # fmt: skip
+             "eval.interval=2", "eval.num_games=8", "logging.tensorboard=false", "trainer.checkpoint_every=0",
+             "grpo.kl_coef=0.01"]  # fmt: skip  (a reference model too: its arguments are the trainer's)
     proc = subprocess.run(
         [sys.executable, "-m", "forge_rl.grpo", "--config", str(ROOT / "configs/coder_tiny_cpu.yaml"), f"run_dir={run_dir}", *small],
         cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -38,7 +39,7 @@ def test_tiny_config_trains_on_graded_submissions(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     last = rows[-1]
     assert 0 <= last["eval/pass_all"] <= last["eval/pass_rate"] <= 1 and last["eval/tasks"] == 8
-    assert last["train/invalid_rate"] == 0 and math.isfinite(last["train/loss"])
+    assert last["train/invalid_rate"] == 0 and math.isfinite(last["train/loss"]) and math.isfinite(last["train/kl"])
     assert "train/imitation_pool" in last  # the committed config replays its passes (grpo.self_imitation)
     assert "step 2 pass_all=" in out and "synthesizer=1.000" in out, out[-3000:]
     assert (run_dir / "learning_curve.png").stat().st_size > 1000

@@ -73,3 +73,22 @@ def test_a_failed_request_fails_its_caller_only_and_a_failed_call_fails_all_it_c
     assert all(isinstance(r, ConnectionError) for r in results)
     with pytest.raises(ConnectionError):
         asyncio.run(RequestBatcher(send).generate([1], {}))
+
+
+def test_a_call_answering_another_number_of_results_fails_every_request_it_carried():
+    """A replica answering once per rank (what a two-rank generator mesh did) pairs its answers with the
+    wrong requests and leaves the rest unanswered: every caller gets an error instead, none waits forever."""
+
+    async def per_rank(requests):
+        return [[("rank", r)] for r in range(2)]
+
+    batcher = RequestBatcher(per_rank, max_in_flight=1, max_wait_s=1.0)
+
+    async def games():
+        first = asyncio.ensure_future(batcher.generate([0], {}))
+        await asyncio.sleep(0)
+        rest = [batcher.generate([i], {}) for i in range(1, 6)]
+        return await asyncio.wait_for(asyncio.gather(first, *rest, return_exceptions=True), 10)
+
+    results = asyncio.run(games())
+    assert all(isinstance(r, RuntimeError) and "2 results for" in str(r) for r in results), results

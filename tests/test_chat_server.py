@@ -8,7 +8,9 @@ and history rewriting. tests/test_chat_server_bpe.py repeats the identity tests 
 """
 
 import asyncio
+import contextlib
 import json
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -274,3 +276,42 @@ def test_the_code_agent_runs_its_tool_calls_in_the_code_interpreter(scripted):
     added = segment["token_ids"][start : segment["sampled"].index(True, start)]
     result = "\n<|im_start|>user\n<tool_response>\n42\n\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert added == scripted.tokenizer(result, add_special_tokens=False)["input_ids"]
+
+
+def test_sigterm_stops_a_serving_chat_server_holding_a_rollout_and_requests_in_flight(tmp_path):
+    """As `timeout`, kubectl or a script's background job stop it (SIGTERM, SIGINT ignored): with a rollout
+    open, a request generating and another whose body is still arriving, the server stops cleanly (no
+    forced exit), within its bound, and its actor and engine processes end with it."""
+    import signal
+    import socket
+    import threading
+
+    import psutil
+
+    from forge_rl.chat_server import STOP_BOUND_S
+
+    model = build_tiny_model(tmp_path / "model", seed=0)
+    server = ChatServerProcess(tmp_path, model, "sampling.max_tokens=400", max_model_len=1024, sigint_ignored=True)
+    try:
+        rollout = server.open()
+        body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": TURNS[0]}]})
+        arriving = socket.create_connection(("127.0.0.1", server.port))
+        arriving.sendall(f"POST /s/{rollout}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n{body[:10]}".encode())
+
+        def generating():
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(f"{server.base_url(rollout)}/chat/completions", content=body, timeout=300)
+
+        threading.Thread(target=generating, daemon=True).start()
+        time.sleep(1.0)
+        spawned = psutil.Process(server.proc.pid).children(recursive=True)
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(STOP_BOUND_S + 15)  # raises if it still serves
+        log = server.log_path.read_text()
+        assert server.proc.returncode == 0 and "chat server stopped" in log and "did not exit within" not in log, log[-3000:]
+        _, alive = psutil.wait_procs(spawned, timeout=30)
+        assert not alive, f"left running: {[(p.pid, p.name()) for p in alive]}"
+        arriving.close()
+    finally:
+        server.stop()

@@ -75,7 +75,7 @@ def test_grpo_steps_raise_reward_with_versioned_weights_and_invariants(tmp_path)
             Generator.options(num_replicas=1).as_service(model, "float32", GeneratorConfig(max_model_len=256)),
             Trainer.options(procs=1).as_actor(model, GRPOLoss(grpo), OptimizerConfig(lr=3e-4, schedule="constant"), STEPS, "float32",
                                               allowed_token_ids=allowed),
-            ReferenceModel.options(num_replicas=1).as_service(model, "float32", allowed_token_ids=allowed),
+            ReferenceModel.options(num_replicas=1).as_service(model, "float32", micro_batch_size=8, allowed_token_ids=allowed),
             ReplayBufferActor.options().as_actor(GROUPS_PER_STEP, 0),
             Trainer.options(procs=1).as_actor(model, GRPOLoss(grpo), OptimizerConfig(), STEPS, "float32"),
         )

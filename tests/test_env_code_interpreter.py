@@ -1,4 +1,4 @@
-"""Code-interpreter server on 127.0.0.1: programs are graded, hostile ones are contained.
+"""Code-interpreter server on 127.0.0.1: programs are graded out of their process, hostile ones are contained.
 
 Runs against one server per isolation mode: the detected one (bwrap where namespaces work) and
 the rlimits-only fallback, so both paths stay tested on a machine that has bubblewrap.
@@ -12,9 +12,12 @@ import urllib.request
 
 import pytest
 
-from forge_rl.rollout.env_client import EnvSession
+from apps.code_agent.agent import TASKS, submission
+from apps.coder.isolation import detect_isolation
+from apps.coder.sandbox import _HARNESS
 from forge_rl.envs.local import launch_local
-from apps.coder.sandbox import _HARNESS, detect_isolation
+from forge_rl.rollout.env_client import EnvError, EnvSession
+from tests.test_env_code_task import HOSTILE as HOSTILE_SUBMISSIONS
 
 SECRET = "forge-test-secret-6c1f"
 TIMEOUT_S = 2
@@ -29,11 +32,19 @@ def server(request):
         yield srv
 
 
-def execute(server, code, tests=None):
+def execute(server, code, entry_point=None, tests=()):
+    """One step: a scratch run, or with (arguments, value) tests of `entry_point` a graded submission."""
+    action = {"code": code}
+    if tests:
+        action.update(entry_point=entry_point, tests=[{"args": a, "expected": v} for a, v in tests])
+    return step(server, action)
+
+
+def step(server, action):
     async def go():
         async with EnvSession(server.url, timeout_s=30, restore="none") as session:
             await session.reset()
-            return (await session.step({"code": code, "tests": tests or []})).observation
+            return (await session.step(action)).observation
 
     return asyncio.run(go())
 
@@ -87,16 +98,36 @@ def test_the_leftover_check_sees_a_running_program(server):
 
 def test_correct_program_passes_its_tests(server):
     code = "def add(a, b):\n    return a + b\nprint('defined')"
-    obs = execute(server, code, ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"])
+    obs = execute(server, code, "add", [([2, 3], 5), ([-1, 1], 0)])
     assert obs["tests_passed"] == 2 and obs["tests_total"] == 2 and obs["reward"] == 1.0 and obs["done"]
-    assert obs["stdout"] == "defined\n" and obs["exit_code"] == 0 and obs["isolation"] == server.mode
+    assert obs["isolation"] == server.mode
+    words = execute(server, "def rev(s):\n    return s[::-1]", "rev", [(["abc"], "cba"), ([[1, 2]], [2, 1]), ([{"a": 1}], None)])
+    assert words["test_errors"][:2] == [None, None] and "TypeError" in words["test_errors"][2], words
 
 
 def test_reward_is_the_fraction_of_tests_passed(server):
-    obs = execute(server, "def sq(x):\n    return x * x if x < 3 else 0", ["assert sq(2) == 4", "assert sq(3) == 9"])
+    obs = execute(server, "def sq(x):\n    return x * x if x < 3 else 0", "sq", [([2], 4), ([3], 9)])
     assert obs["reward"] == 0.5 and obs["test_errors"][0] is None and "AssertionError" in obs["test_errors"][1]
-    broken = execute(server, "def f(:\n  pass", ["assert f() is None"])
-    assert broken["reward"] == 0.0 and broken["exit_code"] == 1 and "SyntaxError" in broken["stderr"]
+    broken = execute(server, "def f(:\n  pass", "f", [([], None)])
+    assert broken["reward"] == 0.0 and "SyntaxError" in broken["test_errors"][0]
+
+
+def test_tests_need_the_function_they_call(server):
+    with pytest.raises(EnvError, match="entry_point"):
+        step(server, {"code": "def f():\n    return 1", "tests": [{"args": [], "expected": 1}]})
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_SUBMISSIONS))
+def test_the_code_agent_cannot_forge_its_reward(server, name):
+    """apps/code_agent's submission, graded out of the program's process: each of the code-task server's
+    hostile programs (among them an object equal to anything, and result lines written to every descriptor
+    before os._exit(0)) scores 0 on the agent's task, where a correct answer scores 1."""
+    seed = 3  # square(x): its values 9 and 4 are no constant's
+    assert "square" in TASKS[seed % len(TASKS)][0]
+    assert step(server, submission("def square(x):\n    return x * x", seed))["reward"] == 1.0
+    obs = step(server, submission(f"def f(x):\n    return 0\n{HOSTILE_SUBMISSIONS[name]}\nsquare = f\n", seed))
+    assert obs["done"] and obs["reward"] == 0.0 and obs["tests_passed"] == 0, obs
+    assert_healthy(server)
 
 
 def test_scratch_run_without_tests_is_not_graded(server):
@@ -161,3 +192,28 @@ def test_network_socket(server):
     else:  # documented: rlimits mode has the server's network; Kubernetes adds a NetworkPolicy
         assert obs["stdout"].strip() in ("connected", "blocked ConnectionRefusedError")
     assert_healthy(server)
+
+
+def test_sigterm_stops_the_server_with_a_session_open_and_a_step_in_flight():
+    """kubectl delete or `timeout` send SIGTERM: the server stops within its grace period even while a
+    session is open and a step runs a program that would take a minute (uvicorn alone waits for it)."""
+    import signal
+
+    from forge_rl.envs import SHUTDOWN_GRACE_S
+
+    with launch_local("apps.coder.interpreter:CodeInterpreterEnvironment", env={"SANDBOX_TIMEOUT_S": "60"}) as server:
+
+        async def go():
+            async with EnvSession(server.url, timeout_s=120, restore="none") as session:
+                await session.reset()
+                step = asyncio.ensure_future(session.step({"code": "import time\ntime.sleep(60)"}))
+                await asyncio.sleep(1)
+                server.proc.send_signal(signal.SIGTERM)
+                start = time.monotonic()
+                while server.proc.poll() is None and time.monotonic() - start < SHUTDOWN_GRACE_S + 20:
+                    await asyncio.sleep(0.1)
+                await asyncio.gather(step, return_exceptions=True)
+                return time.monotonic() - start
+
+        elapsed = asyncio.run(go())
+        assert server.proc.poll() is not None, f"still serving {elapsed:.0f} s after SIGTERM"

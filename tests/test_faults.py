@@ -128,7 +128,7 @@ def test_a_reference_model_whose_process_died_is_restarted_and_the_call_retried(
     ids = [torch.tensor([1, 2, 3, 4, 5])]
 
     async def main():
-        reference = await ReferenceModel.options(num_replicas=1, health_interval_s=3600).as_service(str(path))
+        reference = await ReferenceModel.options(num_replicas=1, health_interval_s=3600).as_service(str(path), micro_batch_size=8)
         try:
             (before,) = await reference.route("logprobs", ids)
             pid = await pid_of(reference.replicas[0])
@@ -234,3 +234,76 @@ def test_a_dead_trainer_stops_the_run_naming_it_and_the_checkpoint_and_restart_o
     assert steps == list(range(1, 9)), steps
     versions = [r["train/policy_version"] for r in read_metrics(run_dir) if "train/loss" in r]
     assert versions == steps, versions
+
+
+@pytest.mark.slow  # two vLLM engine starts: minutes on 2 busy cores
+@pytest.mark.timeout(1200)
+def test_a_generator_restarting_during_a_shm_push_waits_for_it_and_catches_up(tmp_path):
+    """The replica's engine dies just as the trainer starts pushing version 2 through shared memory, which
+    puts the handle in TorchStore before the bytes are in: the restarted replica's catch-up meets a buffer
+    still being written, asks again instead of failing the restart (which left a whole engine running per
+    failed attempt, and waited a health interval per attempt), and loads version 2 once the write ends.
+    Then version 2 is dropped and its buffer reused while nobody loads it: the next update goes through."""
+    import logging
+
+    from forge_rl.weights import shm
+    from forge_rl.weights.layout import copy_rows, fused_order
+
+    said = []  # what catch-up and the service log, in this process (Monarch's logging keeps it from caplog)
+    recorder = logging.Handler(logging.INFO)
+    recorder.emit = lambda record: said.append(record.getMessage())
+    for name in ("forge_rl.engines.vllm.generator", "forge_rl.runtime.service"):
+        logging.getLogger(name).addHandler(recorder)
+        logging.getLogger(name).setLevel(logging.INFO)
+    path = build_tiny_model(tmp_path / "tiny", seed=0)
+    original = fused_order(load_file(path / "model.safetensors"))
+    zeroed = dict(original, **{"lm_head.weight": torch.zeros_like(original["lm_head.weight"])})
+    uniform = -math.log(original["lm_head.weight"].shape[0])
+    buffers = shm.SharedBuffers()
+
+    async def publish(state_dict, version):
+        handle = buffers.write(state_dict, version)
+        await control.put_handle(handle.as_dict(), version)
+
+    async def main():
+        await control.start()
+        config = GeneratorConfig(max_model_len=256, gpu_memory_utilization=0.01)
+        policy = await Generator.options(num_replicas=1, health_interval_s=30).as_service(str(path), "float32", config, 0)
+        policy.after_restart = catch_up
+        try:
+            await publish(zeroed, 1)
+            await policy.fanout("update_weights", 1)
+            replica = policy.replicas[0]
+            engine = engine_core_of(await pid_of(replica))
+            os.kill(engine.pid, signal.SIGKILL)
+            engine.wait(10)
+
+            handle = buffers.claim(original, 2)  # the trainer's push of version 2 begins: its handle first
+            payload = await asyncio.to_thread(buffers.begin, handle)
+            await control.put_handle(handle.as_dict(), 2)
+            call = asyncio.ensure_future(policy.route("generate", [1, 2, 3], GREEDY))  # meets the dead engine
+            async with asyncio.timeout(600):  # the new engine is up and its catch-up has met the unfinished buffer
+                while replica.actor is None or not any("not loadable yet" in m for m in said):
+                    await asyncio.sleep(0.2)
+            copy_rows(payload, handle.layout, ((0, t) for t in original.values()))
+            buffers.end(handle, written=True)
+            (after,) = await asyncio.wait_for(call, 300)
+            assert after.policy_version == 2 and after.logprobs != pytest.approx([uniform] * 4, abs=1e-3)
+            assert replica.restarts == 1 and not any("failed to restart" in m for m in said), said
+            engines = [p for p in psutil.Process().children(recursive=True) if p.name() == "VLLM::EngineCore"]
+            assert len(engines) == 1, f"engines running for one replica: {[p.pid for p in engines]}"
+
+            await publish(zeroed, 3)  # version 2 dropped, its buffer reused by 4: a fanout of 4 still loads
+            await control.delete_version(2)
+            await publish(original, 4)
+            await policy.fanout("update_weights", 4)
+            (last,) = await policy.route("generate", [1, 2, 3], GREEDY)
+            assert last.policy_version == 4 and last.logprobs == pytest.approx(after.logprobs, abs=1e-4)  # F.linear or oneDNN
+        finally:
+            await policy.stop()
+            buffers.close()
+            await control.stop()
+            for name in ("forge_rl.engines.vllm.generator", "forge_rl.runtime.service"):
+                logging.getLogger(name).removeHandler(recorder)
+
+    asyncio.run(main())

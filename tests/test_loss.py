@@ -55,6 +55,19 @@ def test_group_advantages_normalized_by_the_mean():
     close(rollout_advantages(rewards, rollout, normalize_std=False, normalize_mean=True), [2.0, 2.0, -1.0, -1.0])
 
 
+def test_group_advantages_normalized_by_the_mean_stay_bounded_for_signed_rewards():
+    # [1, 0, 0, -0.9] (a pass, two fails, an invalid answer's penalty): mean 0.025, so dividing by it gave
+    # the pass 0.975 / 0.025 = 39. Divided by the mean absolute reward 0.475: [2.0526, -0.0526, -0.0526, -1.9474].
+    advantages = group_advantages(torch.tensor([1.0, 0, 0, -0.9]), normalize_mean=True)
+    close(advantages, [0.975 / 0.475, -0.025 / 0.475, -0.025 / 0.475, -0.925 / 0.475])
+    # whatever the signs, no advantage exceeds G + 1 in size; rewards >= 0 keep the mean's reading
+    torch.manual_seed(0)
+    for _ in range(200):
+        rewards = torch.randn(8) * torch.randint(0, 2, (8,))
+        assert group_advantages(rewards, normalize_mean=True).abs().max() <= 8 + 1 + 1e-4
+    close(group_advantages(torch.tensor([0.5, 0.0, 0.0, 0.0]), normalize_mean=True), [3.0, -1, -1, -1])
+
+
 def test_group_advantages_by_hand():
     # [1,0,0,1]: mean 0.5, centred [.5,-.5,-.5,.5], population std 0.5 -> [1,-1,-1,1]
     close(group_advantages(torch.tensor([1.0, 0, 0, 1])), [1.0, -1, -1, 1])
@@ -143,6 +156,18 @@ def test_kl_estimators_by_hand():
     close(kl_penalty(lp, ref, "k3"), [[0.3068528, 0, 0.1931472]])  # r - 1 - log r: 2-1-.693, .5-1+.693
     with pytest.raises(ValueError):
         kl_penalty(lp, ref, "k9")
+
+
+def test_k3_stays_finite_where_the_reference_far_outweighs_the_policy():
+    # log r = ref - policy = 100: e^100 overflows float32 (inf past ~88.7). Clamped as verl's low_var_kl:
+    # log r to 20, k3 to 10, so the loss is finite and the clamped token gets no gradient (no inf, no nan).
+    lp = torch.tensor([[-100.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[0.0, -1.0 + LN2]])
+    close(kl_penalty(lp, ref, "k3"), [[10.0, 0.3068528]])
+    loss, _ = grpo_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 2), grpo(kl_coef=0.1), ref_logprobs=ref)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
+    close(lp.grad, [[0.0, -0.05]])  # token 1: d k3 / d lp = 1 - r = -1 (r = 2), times 0.1 / 2 tokens
 
 
 def test_kl_term_in_loss_by_hand():

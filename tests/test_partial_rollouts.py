@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from forge_rl.weights import control
+from forge_rl.weights import control, shm
+from forge_rl.weights.layout import fused_order
 from forge_rl.runtime.actor import stop
 from forge_rl.core.config import GeneratorConfig
 from forge_rl.engines.vllm.generator import Generator
@@ -128,3 +129,36 @@ def test_a_request_straddling_a_weight_update_is_paused_not_aborted_and_tagged_p
     weights = is_weights(torch.stack([log_ratio, pure_log_ratio]), torch.ones(2, 200), "geo", "mask", 0.99, 1.01)
     assert weights[0].sum() == 0 and weights[1].sum() == 200
     p.run(control.delete_version(1))
+
+
+def test_after_a_load_that_failed_midway_tokens_are_stamped_minus_1_until_an_update_succeeds(p):
+    """A version in shared memory whose final norm has the wrong shape: the engine loads the embeddings and
+    the layers' norms, then fails, so its weights are of no version (and it serves on). With partial rollouts
+    a token's version is vLLM's own stamp, which must say so too (-1), not the version before the failed
+    load; the next good update stamps its version."""
+    buffers = shm.SharedBuffers()
+
+    def publish(state_dict, version):
+        handle = buffers.write(state_dict, version)
+        p.run(control.put_handle(handle.as_dict(), version))
+        return p.run(p.gen.update_weights.call_one(version))
+
+    def versions():
+        return p.run(p.gen.generate.call_one(p.prompt, dict(LONG, max_tokens=4)))[0].token_versions
+
+    try:
+        good = fused_order(dict(p.v1_weights))  # as a trainer publishes: each linear layer one block
+        publish(good, 2)
+        assert versions() == [2] * 4
+        broken = dict(good, **{"model.norm.weight": torch.ones(good["model.norm.weight"].numel() + 1)})
+        assert list(broken)[-1] == "model.norm.weight"  # loaded last: everything before it is in
+        with pytest.raises(Exception, match="Attempted to load weight"):
+            publish(broken, 3)
+        assert versions() == [-1] * 4 and p.run(p.gen.current_version.call_one()) == -1
+        publish(good, 4)
+        assert versions() == [4] * 4
+    finally:
+        p.run(p.gen.finish_loading.call_one())
+        buffers.close()
+        for version in (2, 3, 4):
+            p.run(control.delete_version(version))

@@ -252,3 +252,32 @@ def test_the_only_replica_dead_waits_for_its_restart_and_the_call_is_retried_on_
             await service.stop()
 
     run(main())
+
+
+def test_a_restart_whose_after_restart_fails_stops_the_mesh_it_made():
+    """after_restart (a generator's catch-up) fails twice, then succeeds: each failed attempt's processes
+    are stopped before the next attempt makes new ones (before, each one was left running: a whole vLLM
+    engine per failed catch-up), and the third attempt's replica takes calls."""
+    async def main():
+        service = await EchoActor.options(num_replicas=1, health_interval_s=0.2).as_service("catch_up")
+        attempts = []
+
+        async def after_restart(replica):
+            attempts.append((await replica.actor.whoami.call_one())[1])
+            if len(attempts) < 3:
+                raise RuntimeError("catch-up failed on purpose")
+
+        service.after_restart = after_restart
+        try:
+            _, pid, _ = await service.route("whoami")
+            os.kill(pid, signal.SIGKILL)
+            _, new_pid, _ = await service.route("whoami")
+            await service.wait_healthy(timeout=60)
+            return pid, new_pid, attempts, service.replicas[0].restarts
+        finally:
+            await service.stop()
+
+    pid, new_pid, attempts, restarts = run(main())
+    assert len(attempts) == 3 and new_pid == attempts[-1] and restarts == 1
+    _, alive = psutil.wait_procs([psutil.Process(p) for p in attempts[:2] if psutil.pid_exists(p)], timeout=30)
+    assert not alive, f"the meshes of the failed attempts still run: {[p.pid for p in alive]}"

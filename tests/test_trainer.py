@@ -61,7 +61,7 @@ def actors(loop, model_dir):
         one, two, ref, _ = await asyncio.gather(
             Trainer.options(procs=1).as_actor(model_dir, GRPOLoss(GRPO), OPTIM, micro_batch_size=2),
             Trainer.options(procs=2).as_actor(model_dir, GRPOLoss(GRPO), OPTIM, micro_batch_size=2),
-            ReferenceModel.options(num_replicas=1).as_service(model_dir),
+            ReferenceModel.options(num_replicas=1).as_service(model_dir, micro_batch_size=2),
             control.start(),
         )
         return one, two, ref
@@ -374,7 +374,7 @@ def test_on_policy_train_step_has_ratio_one_at_the_sampling_temperature(model_di
     assert metrics["ratio_min"] == pytest.approx(1, abs=1e-4) and metrics["ratio_max"] == pytest.approx(1, abs=1e-4)
     assert metrics["num_tokens"] == sum(int(e.loss_mask.sum()) for e in batch)
 
-    reference = in_process(ReferenceModel, model_dir, temperature=temperature)
+    reference = in_process(ReferenceModel, model_dir, micro_batch_size=2, temperature=temperature)
     ref_lp = asyncio.run(ReferenceModel.logprobs._method(reference, [e.tokens for e in batch]))
     assert_lists_close([lp * e.loss_mask for lp, e in zip(ref_lp, batch)], [e.behaviour_logprobs for e in batch], 1e-4)
 
@@ -392,3 +392,35 @@ def test_resume_with_more_steps_continues_the_new_schedule(model_dir, tmp_path):
     asyncio.run(Trainer.load_checkpoint._method(longer, str(tmp_path / "ckpt")))
     resumed = asyncio.run(Trainer.train_step._method(longer, batch, None))
     assert resumed["step"] == 3 and resumed["lr"] == pytest.approx(0.5e-3), "cosine over 4 steps is at half at step 2"
+
+
+def test_the_entropy_floor_is_decided_once_for_the_whole_batch(model_dir):
+    """With entropy_floor between the batch's mean entropy and that of its most uncertain episode, the bonus
+    is on for the step: every micro-batch gets it, also those whose own entropy is above the floor. Equal
+    rewards (zero advantages) leave the bonus alone in the loss: -coef x the batch's mean entropy, the same
+    in one piece or in one piece per episode."""
+    from forge_rl.core.loss import token_entropy
+    from forge_rl.engines.titan.model import sequence_logprobs
+
+    batch = make_batch()
+    for e in batch:
+        e.reward = 1.0
+    probe = in_process(Trainer, model_dir, GRPOLoss(GRPOConfig()), OPTIM)
+    per_episode, weights = [], []
+    with torch.no_grad():
+        for e in batch:
+            _, logits = sequence_logprobs(probe.model, e.tokens[None], True)
+            mask = e.loss_mask[1:].float()
+            per_episode.append(float((token_entropy(logits)[0] * mask).sum() / mask.sum()))
+            weights.append(float(mask.sum()))
+    mean = sum(h * w for h, w in zip(per_episode, weights)) / sum(weights)
+    assert mean < max(per_episode), per_episode
+    floor = (mean + max(per_episode)) / 2  # the batch is below it; some episodes are not
+    config = GRPOConfig(entropy_coef=1.0, entropy_floor=floor, normalize_std=False)
+    for micro_batch_size in (len(batch), 1):
+        trainer = in_process(Trainer, model_dir, GRPOLoss(config), OPTIM, micro_batch_size=micro_batch_size)
+        metrics = asyncio.run(Trainer.train_step._method(trainer, batch, None))
+        assert metrics["loss"] == pytest.approx(-mean, rel=1e-4), (micro_batch_size, metrics["loss"], -mean)
+    above = GRPOConfig(entropy_coef=1.0, entropy_floor=min(per_episode) / 2, normalize_std=False)  # off for every piece
+    trainer = in_process(Trainer, model_dir, GRPOLoss(above), OPTIM, micro_batch_size=1)
+    assert asyncio.run(Trainer.train_step._method(trainer, batch, None))["loss"] == pytest.approx(0.0, abs=1e-6)

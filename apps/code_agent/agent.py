@@ -4,7 +4,8 @@ The chat-agent form with tools. The agent talks to the policy through an unmodif
 client and offers it one tool, run_python; each call runs in the code interpreter environment
 (apps/coder/interpreter.py, sandboxed) and what it printed goes back as the tool's result. The
 first reply without a tool call is the answer: its ```python block is graded by the task's tests in
-the same environment, and that reward (the fraction of tests passed) stands.
+the same environment, out of the program's process (the interpreter calls its function and compares
+the values it returns), and that reward (the fraction of tests passed) stands.
 
 A config runs it as any agent app: `app_module: apps.code_agent.agent`, `sampling.constrained: false`,
 `env.server: apps.coder.interpreter:CodeInterpreterEnvironment`, `chat.tool_parser` the model's tool-call
@@ -18,11 +19,11 @@ import re
 
 from openai import AsyncOpenAI
 
-TASKS = [  # (task, tests); the seed picks one, so the agents of a group solve the same task
-    ("Write a Python function add(a, b) that returns the sum of a and b.", ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]),
-    ("Write a Python function is_even(n) that returns True when n is even.", ["assert is_even(4)", "assert not is_even(7)"]),
-    ("Write a Python function reverse(s) that returns the string s reversed.", ["assert reverse('abc') == 'cba'", "assert reverse('') == ''"]),
-    ("Write a Python function square(x) that returns x times x.", ["assert square(3) == 9", "assert square(-2) == 4"]),
+TASKS = [  # (task, function, tests: (arguments, value)); the seed picks one, so the agents of a group solve the same task
+    ("Write a Python function add(a, b) that returns the sum of a and b.", "add", [([2, 3], 5), ([-1, 1], 0)]),
+    ("Write a Python function is_even(n) that returns True when n is even.", "is_even", [([4], True), ([7], False)]),
+    ("Write a Python function reverse(s) that returns the string s reversed.", "reverse", [(["abc"], "cba"), ([""], "")]),
+    ("Write a Python function square(x) that returns x times x.", "square", [([3], 9), ([-2], 4)]),
 ]
 SYSTEM = "You solve Python tasks. Call run_python to try code. Finish with the whole program in a ```python block."
 RUN_PYTHON = {
@@ -52,8 +53,14 @@ async def run_python(env, arguments: str) -> str:
     return (observation["stdout"] + observation["stderr"])[-MAX_OUTPUT_CHARS:]
 
 
+def submission(code: str, seed: int) -> dict:
+    """The interpreter action that grades `code` on the tests of the seed's task (out of its process)."""
+    _, function, tests = TASKS[seed % len(TASKS)]
+    return {"code": code, "entry_point": function, "tests": [{"args": a, "expected": v} for a, v in tests]}
+
+
 async def run_agent(ctx) -> float | None:
-    task, tests = TASKS[ctx.seed % len(TASKS)]
+    task, _, _ = TASKS[ctx.seed % len(TASKS)]
     await ctx.env.reset(seed=ctx.seed)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
     async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, timeout=300) as client:
@@ -66,5 +73,5 @@ async def run_agent(ctx) -> float | None:
             for call in message.tool_calls:
                 output = await run_python(ctx.env, call.function.arguments)
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
-    await ctx.env.step({"code": program(message.content or ""), "tests": tests})
+    await ctx.env.step(submission(program(message.content or ""), ctx.seed))
     return None  # the interpreter's reward: the fraction of the tests passed

@@ -130,9 +130,9 @@ class Callee:
                 raise CandidateError("its process exited")
             self.buffer += chunk
         line, self.buffer = self.buffer.split(b"\n", 1)
-        try:
+        try:  # the program can write here too: 60,000 nested [ make json raise RecursionError
             message = json.loads(line)
-        except ValueError:
+        except Exception:
             raise CandidateError("garbled reply") from None
         if type(message) is not dict:
             raise CandidateError("garbled reply")
@@ -141,18 +141,20 @@ class Callee:
     def __call__(self, *args):
         if self.failed:
             raise CandidateError(self.failed)
+        request = encode(list(args))  # the test's own arguments: a failure here is the test's, not the program's
         try:
-            self.send(encode(list(args)))
+            self.send(request)
             message = self.receive()
-        except CandidateError as e:
-            self.failed = str(e)  # the channel is gone: every later call fails at once
-            raise
-        if "error" in message or "value" not in message:
-            raise CandidateError(f"raised {message.get('error')}")
-        try:
-            return decode(message["value"])
-        except (ValueError, TypeError, RecursionError) as e:
-            raise CandidateError(f"not plain data: {e}") from None
+            raised = "error" in message or "value" not in message
+            value = None if raised else decode(message["value"])
+        except Exception as e:
+            # No reply, or one that does not parse: the channel is gone, or out of step with the calls (a
+            # program that wrote a reply of its own), so this call and every later one fail.
+            self.failed = str(e) if isinstance(e, CandidateError) else f"not plain data: {type(e).__name__}: {e}"[:300]
+            raise CandidateError(self.failed) from None
+        if raised:
+            raise CandidateError(f"raised {str(message.get('error'))[:300]}")
+        return value
 
     def _remaining(self) -> float:
         remaining = self.deadline - time.monotonic()
@@ -176,7 +178,7 @@ def grade(sandbox, code: str, entry_point: str, tests: list[str], setup: str = "
             callee.send(code)
             ready = callee.receive()
             if ready.get("ready") is not True:
-                callee.failed = f"the program did not load: {ready.get('error')}"
+                callee.failed = f"the program did not load: {str(ready.get('error'))[:300]}"
         except CandidateError as e:
             callee.failed = f"the program did not load: {e}"
         for test in compiled:

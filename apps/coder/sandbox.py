@@ -1,8 +1,7 @@
 """Run untrusted Python in a fresh child process, never in the server's interpreter.
 
-Every call of `Sandbox.run` starts one child, feeds it the program and its tests on stdin,
-and reads stdout, stderr and the per-test results (a pipe on its own descriptor) until it exits
-or the wall clock runs out. Two isolation modes, picked once at construction:
+Every call of `Sandbox.run` starts one child, feeds it the program on stdin, and reads stdout
+and stderr until it exits or the wall clock runs out. Two isolation modes, picked once at construction:
 
   bwrap    bubblewrap with every namespace unshared: read-only view of `/`, no network, own PID
            namespace (the server is invisible, killing bwrap kills every descendant), a private
@@ -13,11 +12,13 @@ or the wall clock runs out. Two isolation modes, picked once at construction:
 Both modes apply rlimits (CPU seconds, address space, file size, processes, no core files) and a
 scrubbed environment. Run as root, each call also gets its own unused uid, so RLIMIT_NPROC (which
 root ignores) holds, the server's files and /proc entries are out of reach, and leftover
-processes of the run are swept with `kill(-1)` as that uid.
+processes of the run are swept with `kill(-1)` as that uid. Without root, rlimits mode gives each
+call its own PID namespace and /proc where user namespaces allow (`unshare`): the server is out of
+its reach; where not, it shares the server's uid and can signal it. A sandbox checks itself when made
+(a known program must run and print, or it raises).
 
-What `run` is not: a boundary against reward hacking. Its tests run in the program's process, so
-a program written to forge its own results can. `process` is the piece for grading out of the
-program's process (grading.py, used by the code-task server).
+Grading is not `run`'s: a program can forge anything its own process reports. `process` is the
+piece for grading out of the program's process (grading.py, used by both servers).
 """
 
 from __future__ import annotations
@@ -31,34 +32,25 @@ import resource
 import selectors
 import shutil
 import signal
-import stat
 import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-# Runs inside the child: reads {"code", "tests"} from stdin, runs the program as __main__, then
-# each test in a copy of the program's globals, writing one JSON line per test to fd argv[1]
-# (line by line, so a run that times out still reports the tests that finished).
+from apps.coder.isolation import bwrap_argv, default_python, detect_isolation, interpreter_dirs_under_tmp, own_pid_namespace
+
+# Runs inside the child: reads the program (a JSON string) from stdin and runs it as __main__.
 _HARNESS = r"""
 import json, os, sys
-fd = int(sys.argv[1]); job = json.loads(sys.stdin.read()); sys.stdin.close()
+code = json.loads(sys.stdin.read()); sys.stdin.close()
 ns = {"__name__": "__main__", "__builtins__": __builtins__}
 status = 0
 try:
-    exec(compile(job["code"], "main.py", "exec"), ns)
+    exec(compile(code, "main.py", "exec"), ns)
 except SystemExit as e:
     status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
 except BaseException:
     import traceback; traceback.print_exc(); status = 1
-for i, test in enumerate(job["tests"]):
-    sys.stdout.flush(); sys.stderr.flush()
-    try:
-        exec(compile(test, f"test_{i}", "exec"), dict(ns)); err = None
-    except BaseException as e:
-        err = f"{type(e).__name__}: {e}"[:300]
-    os.write(fd, (json.dumps({"test": i, "error": err}) + "\n").encode())
 sys.stdout.flush(); sys.stderr.flush()
 os._exit(status)
 """
@@ -83,65 +75,19 @@ class Limits:
 
 @dataclass
 class ExecutionResult:
-    """What one run produced. tests_passed/tests_total are None when no tests were given."""
+    """What one run produced."""
 
     stdout: str
     stderr: str
     exit_code: int | None  # None when killed by the timeout; negative = killed by that signal
     timed_out: bool
     truncated: bool
-    tests_passed: int | None = None
-    tests_total: int | None = None
-    test_errors: list[str | None] = field(default_factory=list)
     duration_s: float = 0.0
-
-
-def _executable_by_anyone(path: str) -> bool:
-    """Whether a different uid can run `path`: every parent searchable, the file executable."""
-    path = os.path.realpath(path)
-    parts = [path] + [os.path.dirname(path)]
-    while parts[-1] != "/":
-        parts.append(os.path.dirname(parts[-1]))
-    return all(os.stat(p).st_mode & stat.S_IXOTH for p in parts)
-
-
-def default_python() -> str:
-    """SANDBOX_PYTHON if set; else this interpreter if another uid can run it; else the system's."""
-    if os.environ.get("SANDBOX_PYTHON"):
-        return os.environ["SANDBOX_PYTHON"]
-    if os.geteuid() != 0 or _executable_by_anyone(sys.executable):
-        return sys.executable
-    return "/usr/bin/python3"
-
-
-def _bwrap_argv(tmpfs_mb: int, hidden: tuple[str, ...] = ()) -> list[str]:
-    """`hidden`: folders the program must not read (an empty tmpfs is mounted over each)."""
-    return [
-        "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-        *(arg for path in hidden for arg in ("--tmpfs", path)),
-        "--size", str(tmpfs_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp",
-        "--unshare-all", "--die-with-parent", "--new-session",
-    ]  # fmt: skip
 
 
 def _environment(home: str) -> dict[str, str]:
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8",
             "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
-
-
-def detect_isolation(python: str | None = None) -> str:
-    """'bwrap' if bubblewrap can start a sandbox here (as the uid runs will use), else 'rlimits'."""
-    if shutil.which("bwrap") is None:
-        return "rlimits"
-    user = {"user": 65534, "group": 65534, "extra_groups": []} if os.geteuid() == 0 else {}
-    try:
-        proc = subprocess.run(
-            _bwrap_argv(1) + [python or default_python(), "-c", "pass"],
-            capture_output=True, timeout=10, env={"PATH": "/usr/bin:/bin"}, **user,
-        )  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return "rlimits"
-    return "bwrap" if proc.returncode == 0 else "rlimits"
 
 
 def _wait_for_namespace(info_r: int, limit_s: float = 10.0) -> None:
@@ -172,7 +118,8 @@ class Sandbox:
     is empty (waited for); in rlimits mode the process group is killed and, as root, the run's
     uid swept with SIGKILL (the kernel may take a moment to reap those). Its working directory
     is gone. The uid goes back to the pool (FIFO) only after that. Not guaranteed in rlimits
-    mode without root: a process that leaves the group and sleeps survives the run.
+    mode without root and without a PID namespace of its own: a process that leaves the group and
+    sleeps survives the run.
     """
 
     def __init__(
@@ -189,6 +136,7 @@ class Sandbox:
                              "(not installed, or no user namespaces); use 'auto' or 'rlimits'")  # fmt: skip
         self.isolation = detected if isolation == "auto" else isolation
         self.hidden = tuple(os.path.realpath(p) for p in hidden if os.path.isdir(p))  # bwrap mounts on real paths
+        self.visible = interpreter_dirs_under_tmp(self.python) if self.isolation == "bwrap" else ()
         self._kill = [shutil.which("kill") or "/bin/kill", "-9", "-1"]
         if not os.path.exists(self._kill[0]):  # slim images: do it with the interpreter instead
             self._kill = [self.python, "-c", "import os; os.kill(-1, 9)"]
@@ -199,9 +147,34 @@ class Sandbox:
         self._uids: queue.Queue[int] = queue.Queue()
         for uid in range(base, base + _UID_POOL_SIZE):
             self._uids.put(uid)
+        self._unshare = own_pid_namespace(self.python) if self.isolation == "rlimits" and not self._as_root else []
+        self._check()
 
-    def run(self, code: str, tests: list[str] | None = None, timeout_s: float | None = None) -> ExecutionResult:
-        """Run `code` (then `tests`, if any) in a fresh child; blocks until it ends or times out."""
+    def _check(self) -> None:
+        """A known program must run and print: a sandbox that cannot start its interpreter (hidden, or not
+        executable by the runs' uid) would grade every program as a wrong answer, silently."""
+        try:
+            result = self.run("print('forge_rl sandbox check')")
+        except OSError as e:  # rlimits mode: the interpreter did not start
+            why = str(e)
+        else:
+            if result.stdout == "forge_rl sandbox check\n" and result.exit_code == 0:
+                return
+            last = (result.stderr.strip().splitlines() or ["nothing on stderr"])[-1][:300]
+            why = f"a known program printed {result.stdout[:100]!r} and exited {result.exit_code}: {last}"
+        raise RuntimeError(f"the {self.isolation} sandbox cannot run programs with {self.python} ({why}); "
+                           "check SANDBOX_PYTHON and SANDBOX_ISOLATION")
+
+    def _command(self, args: list[str], info_w: int) -> list[str]:
+        """`python -I *args` as this sandbox starts it: in bwrap (which reports on `info_w`), or in rlimits mode
+        in a PID namespace of its own where one can be made without root."""
+        command = [self.python, "-I", *args]
+        if self.isolation == "bwrap":
+            return bwrap_argv(self.limits.tmpfs_mb, self.hidden, self.visible) + ["--info-fd", str(info_w)] + command
+        return self._unshare + command
+
+    def run(self, code: str, timeout_s: float | None = None) -> ExecutionResult:
+        """Run `code` in a fresh child; blocks until it ends or times out."""
         timeout = min(timeout_s or self.limits.timeout_s, self.limits.timeout_s)
         uid = self._uids.get() if self._as_root else None
         workdir, result = None, None
@@ -210,7 +183,7 @@ class Sandbox:
                 workdir = tempfile.mkdtemp(prefix="forge_sandbox_")
                 if uid is not None:
                     os.chown(workdir, uid, uid)
-            result = self._run(code, list(tests or []), timeout, uid, workdir)
+            result = self._run(code, timeout, uid, workdir)
             return result
         finally:
             killed = result is None or result.timed_out or result.exit_code == -signal.SIGKILL
@@ -230,9 +203,7 @@ class Sandbox:
                 if uid is not None:
                     os.chown(workdir, uid, uid)
             info_r, info_w = os.pipe()
-            full = [self.python, "-I", *argv]
-            if self.isolation == "bwrap":
-                full = _bwrap_argv(self.limits.tmpfs_mb, self.hidden) + ["--info-fd", str(info_w)] + full
+            full = self._command(argv, info_w)
             user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
             try:
                 proc = subprocess.Popen(
@@ -285,13 +256,10 @@ class Sandbox:
 
         return apply
 
-    def _run(self, code: str, tests: list[str], timeout: float, uid: int | None, workdir: str | None) -> ExecutionResult:
-        result_r, result_w = os.pipe()
+    def _run(self, code: str, timeout: float, uid: int | None, workdir: str | None) -> ExecutionResult:
         info_r, info_w = os.pipe()  # bwrap writes {"child-pid": N}: the namespace's init, seen from here
-        keep = (result_w, info_w) if self.isolation == "bwrap" else (result_w,)
-        argv = [self.python, "-I", "-c", _HARNESS, str(result_w)]
-        if self.isolation == "bwrap":
-            argv = _bwrap_argv(self.limits.tmpfs_mb, self.hidden) + ["--info-fd", str(info_w)] + argv
+        keep = (info_w,) if self.isolation == "bwrap" else ()
+        argv = self._command(["-c", _HARNESS], info_w)
         env = _environment(workdir or "/tmp")
         user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
         start = time.monotonic()
@@ -302,44 +270,32 @@ class Sandbox:
                 preexec_fn=self._preexec(timeout), **user,
             )  # fmt: skip
         finally:
-            os.close(result_w)
             os.close(info_w)
-        job = json.dumps({"code": code, "tests": tests}).encode()
-        streams, timed_out, killed_for_output = self._pump(proc, job, result_r, start + timeout)
+        streams, timed_out, killed_for_output = self._pump(proc, json.dumps(code).encode(), start + timeout)
         _wait_for_namespace(info_r)
         exit_code = None if timed_out else proc.returncode
-        out, err, results = (bytes(streams[k]) for k in ("stdout", "stderr", "results"))
+        out, err = bytes(streams["stdout"]), bytes(streams["stderr"])
         truncated = streams["dropped"] > 0
         stderr = err.decode("utf-8", "replace")
         if killed_for_output:
             stderr += f"\n[output exceeded {self.limits.output_kill_bytes} bytes: process killed]"
         if timed_out:
             stderr += f"\n[timed out after {timeout:g} s: process killed]"
-        errors: list[str | None] = ["did not run"] * len(tests)
-        for line in results.decode("utf-8", "replace").splitlines():
-            try:
-                rec = json.loads(line)
-                errors[int(rec["test"])] = rec["error"]
-            except (ValueError, KeyError, IndexError, TypeError):
-                continue
         return ExecutionResult(
             stdout=out.decode("utf-8", "replace"), stderr=stderr, exit_code=exit_code,
-            timed_out=timed_out, truncated=truncated,
-            tests_passed=sum(e is None for e in errors) if tests else None,
-            tests_total=len(tests) if tests else None, test_errors=errors,
-            duration_s=time.monotonic() - start,
+            timed_out=timed_out, truncated=truncated, duration_s=time.monotonic() - start,
         )  # fmt: skip
 
-    def _pump(self, proc: subprocess.Popen, job: bytes, result_r: int, deadline: float):
+    def _pump(self, proc: subprocess.Popen, job: bytes, deadline: float):
         """Feed stdin, drain the outputs (keeping a capped prefix) until exit, timeout or flood.
 
         Stops when every output is closed, or when the child has exited and what is already in the
         pipes is read (a leftover grandchild holding stdout open must not stretch the run).
         """
         lim = self.limits
-        kept = {"stdout": bytearray(), "stderr": bytearray(), "results": bytearray(), "dropped": 0}
+        kept = {"stdout": bytearray(), "stderr": bytearray(), "dropped": 0}
         sel = selectors.DefaultSelector()
-        for name, fileobj in (("stdout", proc.stdout), ("stderr", proc.stderr), ("results", result_r)):
+        for name, fileobj in (("stdout", proc.stdout), ("stderr", proc.stderr)):
             sel.register(fileobj, selectors.EVENT_READ, name)
         os.set_blocking(proc.stdin.fileno(), False)
         sel.register(proc.stdin, selectors.EVENT_WRITE, "stdin")
@@ -372,7 +328,7 @@ class Sandbox:
                         continue
                     total += len(chunk)
                     buf = kept[key.data]
-                    room = len(chunk) if key.data == "results" else max(0, lim.output_bytes - len(buf))
+                    room = max(0, lim.output_bytes - len(buf))
                     buf += chunk[:room]
                     kept["dropped"] += max(0, len(chunk) - room)
                     flooded = total > lim.output_kill_bytes
@@ -392,5 +348,4 @@ class Sandbox:
             for f in (proc.stdin, proc.stdout, proc.stderr):
                 if not f.closed:
                     f.close()
-            os.close(result_r)
         return kept, timed_out, flooded

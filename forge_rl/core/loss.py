@@ -38,19 +38,22 @@ def group_advantages(
     because it over-weights groups whose rewards barely differ. A group whose rewards are
     all equal gets zero advantages either way.
 
-    With normalize_mean (rewards >= 0, e.g. pass/fail) they are divided by the group's mean
-    instead: the estimate of the gradient of log(expected reward) rather than of the expected
-    reward (maximum-likelihood RL). With 0/1 rewards and k of G passing, each pass gets
-    (G - k) / k and each failure -1: every group that found a pass weighs as one labelled
-    example, however likely the policy already made it, so answers the policy already favours
-    do not gather more of the update (plain GRPO gives a group weight G q (1 - q), q = k / G).
-    A group whose mean is <= 0 gets zero advantages.
+    With normalize_mean they are divided by the group's mean absolute reward instead. For rewards
+    >= 0 (e.g. pass/fail) that is the mean: the estimate of the gradient of log(expected reward)
+    rather than of the expected reward (maximum-likelihood RL). With 0/1 rewards and k of G
+    passing, each pass gets (G - k) / k and each failure -1: every group that found a pass weighs
+    as one labelled example, however likely the policy already made it, so answers the policy
+    already favours do not gather more of the update (plain GRPO gives a group weight G q (1 - q),
+    q = k / G). Signed rewards (an invalid answer's penalty) have no such reading, and their mean
+    can be near 0 with rewards far from it ([1, 0, 0, -0.9]: the pass would get 39); divided by
+    the mean absolute reward, no advantage exceeds G + 1 in size. A group of zero rewards gets zero.
     """
     rewards = rewards.float()
     mean = rewards.mean()
     centred = rewards - mean  # [G]
     if normalize_mean:
-        return centred / mean if mean > eps else torch.zeros_like(centred)
+        scale = rewards.abs().mean()
+        return centred / scale if scale > eps else torch.zeros_like(centred)
     if normalize_std:
         centred = centred / (rewards.std(correction=0) + eps)
     return centred
@@ -84,12 +87,20 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 # KL(policy || reference) estimated from tokens the policy sampled (Schulman, "Approximating
 # KL divergence", 2020). With log_r = ref - policy: k1 = -log_r is unbiased but can go
 # negative; k2 = log_r^2 / 2 is biased but low-variance; k3 = e^log_r - 1 - log_r is
-# unbiased and always >= 0 (the one GRPO uses).
+# unbiased and always >= 0 (the one GRPO uses). k3's exp overflows to inf once the reference
+# makes a sampled token e^88 times likelier than the policy does (a token the policy has all but
+# ruled out): its log-ratio is clamped to +-K3_LOG_RATIO_BOUND and the estimate to K3_BOUND, as
+# verl's low_var_kl does (bounds 20 and 10); the gradient of a clamped token is then 0.
+K3_LOG_RATIO_BOUND, K3_BOUND = 20.0, 10.0
 KL_ESTIMATORS = {
     "k1": lambda log_r: -log_r,
     "k2": lambda log_r: 0.5 * log_r**2,
-    "k3": lambda log_r: torch.expm1(log_r) - log_r,
+    "k3": lambda log_r: _k3(log_r.clamp(-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)).clamp(max=K3_BOUND),
 }
+
+
+def _k3(log_r: torch.Tensor) -> torch.Tensor:
+    return torch.expm1(log_r) - log_r
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -179,6 +190,7 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,  # [B, T] reference log-probs; needed if kl_coef
     entropy: torch.Tensor | None = None,  # [B, T] each position's entropy (with grad): the bonus / metric
     denominator: float | None = None,  # see AGGREGATIONS; None: normalise by this batch
+    batch_entropy: float | None = None,  # with entropy_floor: the whole batch's mean entropy, when this is a piece
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped-ratio policy loss + KL + entropy bonus, aggregated over masked tokens.
 
@@ -219,13 +231,15 @@ def grpo_loss(
             raise ValueError("loss.entropy_coef > 0 needs the entropy of each position")
         bonus = config.entropy_coef * entropy  # [B, T]
         if config.entropy_floor is not None:
-            # An entropy floor: the bonus acts only while this batch's mean entropy per trained token is
+            # An entropy floor: the bonus acts only while the batch's mean entropy per trained token is
             # below it, so exploration is kept without the steady pull toward uniform that a bonus always on
             # exerts (with Adam even a small one moves the weights at full step size on steps where every
             # group's rewards are equal, so rare successes are undone). As Skywork-OR1's adaptive entropy
             # control, whose coefficient acts only below its target entropy; this one is on or off, no state.
-            below = (entropy * mask).sum() / mask.sum().clamp(min=1) < config.entropy_floor
-            bonus = bonus * below.detach()
+            # Decided for the whole batch: a micro-batch or a rank's share is given the batch's entropy.
+            if batch_entropy is None:
+                batch_entropy = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+            bonus = bonus * float(batch_entropy < config.entropy_floor)
         per_token = per_token - bonus
 
     loss = AGGREGATIONS[config.loss_agg](per_token, mask, denominator)

@@ -39,17 +39,24 @@ class GRPOLoss:
     def __init__(self, config: GRPOConfig):
         self.config = config
         self.imitation_coef = config.self_imitation.coef  # self-imitation's NLL beside the GRPO loss
+        self.batch_entropy: float | None = None  # this step's, set by prepare (entropy floor only)
 
     def advantages(self, batch: list[Episode]) -> torch.Tensor:
         return episode_advantages(batch, self.config)
 
-    def prepare(self, t: dict[str, torch.Tensor]) -> float:
+    def prepare(self, t: dict[str, torch.Tensor], mean_entropy=None) -> float:
         """Before the micro-batches, on the whole batch: drop tokens sampled too many versions ago from the
-        mask, and return the loss's denominator (so that micro-batches and ranks add up to the batch's gradient)."""
+        mask; with an entropy floor, decide the bonus once for the step from `mean_entropy()` (the batch's
+        mean entropy per trained token, the same on every rank: the trainer's extra forward without grad,
+        so the floor costs that; a piece's own entropy would turn the bonus on for some pieces of a step and
+        off for others); return the loss's denominator (so that micro-batches and ranks add up to the
+        batch's gradient)."""
         if self.config.kl_coef > 0 and "ref" not in t:
             raise ValueError("train_step: grpo.kl_coef > 0 needs ref_logprobs (ReferenceModel.logprobs of the batch)")
         if self.config.max_token_age is not None:
             t["mask"] *= (t["ages"] <= self.config.max_token_age).float()
+        floor = self.config.entropy_coef > 0 and self.config.entropy_floor is not None
+        self.batch_entropy = mean_entropy() if floor and mean_entropy is not None else None
         if self.config.loss_agg == "token_mean":
             return t["mask"].sum().clamp(min=1).item()
         return (t["mask"].sum(-1) > 0).sum().clamp(min=1).item()
@@ -57,7 +64,7 @@ class GRPOLoss:
     def __call__(self, logprobs: torch.Tensor, batch: dict, entropy: torch.Tensor | None, denominator: float):
         loss, metrics = grpo_loss(
             logprobs, batch["behaviour"], batch["advantages"], batch["mask"], self.config,
-            ref_logprobs=batch.get("ref"), entropy=entropy, denominator=denominator,
+            ref_logprobs=batch.get("ref"), entropy=entropy, denominator=denominator, batch_entropy=self.batch_entropy,
         )
         with torch.no_grad():
             ratio, mask = torch.exp(logprobs - batch["behaviour"]), batch["mask"].bool()

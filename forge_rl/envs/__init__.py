@@ -22,6 +22,7 @@ import typing
 from forge_rl.compat.openenv import replace_route
 
 DEFAULT_MAX_CONCURRENT_ENVS = 16
+SHUTDOWN_GRACE_S = 5.0
 
 
 def load_env_class(target: str) -> type:
@@ -91,4 +92,6 @@ def serve(env_cls: type | None = None, argv: list[str] | None = None) -> None:
     import uvicorn
 
     app = build_app(env_cls, args.max_concurrent_envs)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # SIGTERM or Ctrl-C: open sessions are closed and steps in flight get this long, then are cancelled
+    # (uvicorn's default waits for them forever).
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)

@@ -27,13 +27,15 @@ logger = logging.getLogger("forge_rl.agents")
 
 
 class EnvRecorder:
-    """The agent's environment session (EnvSession's reset and step), remembering the last result."""
+    """The agent's environment session (EnvSession's reset and step), remembering the last result. Every
+    reset gets the run's `reset_args` (env.reset_args, or eval.reset_args over them in evaluation) under
+    the agent's own arguments."""
 
-    def __init__(self, session):
-        self.session, self.last = session, None
+    def __init__(self, session, reset_args: dict | None = None):
+        self.session, self.reset_args, self.last = session, dict(reset_args or {}), None
 
     async def reset(self, **kwargs: Any):
-        self.last = await self.session.reset(**kwargs)
+        self.last = await self.session.reset(**{**self.reset_args, **kwargs})
         return self.last
 
     async def step(self, action: Any):
@@ -103,14 +105,15 @@ async def stop_chat_server(rollouts) -> None:
 async def play_agent(rollouts, seed: int, group_id: str, asks, reset_args: dict | None = None) -> GameResult:
     """One agent run on its own rollout and environment session (play.py `play_game`'s contract).
     `asks`: the group's SharedRequests or the evaluation's GreedyAnswers, which sample its replies.
-    `reset_args` is play_game's; an agent resets its environment itself (ctx.env, ctx.seed)."""
+    `reset_args` is play_game's: an agent resets its environment itself (ctx.env, ctx.seed), and each
+    reset gets them (the config's env.reset_args when None)."""
     agents = await chat_agents(rollouts)
     server, cfg = agents.server, rollouts.cfg
     rollout = server.open_rollout(answer=asks.answer)
     base, reward = f"{server.url}/s/{rollout.rollout_id}", None
     try:
         async with rollouts.sessions.session() as session:
-            env = EnvRecorder(session)
+            env = EnvRecorder(session, reset_args or cfg.env.reset_args)
             ctx = AgentContext(f"{base}/v1", base, "forge-rl", cfg.chat.model_name, seed, env, agents.http_client)
             try:
                 reward = await asyncio.wait_for(rollouts.app.run_agent(ctx), cfg.chat.agent_timeout_s)

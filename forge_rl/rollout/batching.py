@@ -58,6 +58,9 @@ class RequestBatcher:
     async def _call(self, batch: list) -> None:
         try:
             results = await self.send([(prompt, sampling) for prompt, sampling, _ in batch])
+            if not isinstance(results, list) or len(results) != len(batch):  # else some futures never resolve
+                raise RuntimeError(f"generate_batch answered {len(results) if isinstance(results, list) else type(results).__name__} "
+                                   f"results for {len(batch)} requests")
         except BaseException as e:  # the call failed: so did every request it carried
             results = [e] * len(batch)
         finally:

@@ -93,7 +93,10 @@ class ChatServer:
     def __init__(self, tokenizer, generate, sampling: dict, greedy: dict, config: ChatConfig, max_model_len: int,
                  template_kwargs: dict | None = None):
         self.tokenizer, self.renderer = tokenizer, Renderer(tokenizer, template_kwargs)
-        self.generate, self.sampling, self.greedy = generate, sampling, greedy
+        self.generate = generate
+        # A reply ends at the template's end of turn, also where that is not the tokenizer's eos (a base model's).
+        stop = {"stop_token_ids": [self.renderer.end_id]} if self.renderer.end_id != tokenizer.eos_token_id else {}
+        self.sampling, self.greedy = {**sampling, **stop}, {**greedy, **stop}
         self.config, self.max_model_len = config, max_model_len
         self.rollouts: dict[str, Rollout] = {}
         self.finished: OrderedDict[str, None] = OrderedDict()  # recently ended ids, to say "ended", not "unknown"
@@ -121,7 +124,8 @@ class ChatServer:
             web.post("/s/{rollout_id}/v1/chat/completions", self._chat_completions),
             web.post("/s/{rollout_id}/v1/messages", self._messages),
         ])
-        self._runner = web.AppRunner(app, access_log=None)
+        # Stopping waits this long for requests in flight, then cancels them (aiohttp's default waits 60 s).
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
         sock = socket.create_server((self.config.host, self.config.port))
         await web.SockSite(self._runner, sock).start()

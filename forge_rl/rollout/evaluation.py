@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 from forge_rl.rollout.requests import GreedyAnswers
-from forge_rl.rollout.rollouts import Rollouts
+from forge_rl.rollout.rollouts import Rollouts, gather_or_cancel
 
 logger = logging.getLogger(__name__)
 REFERENCE_PREFIX = "eval/reference/"
@@ -57,7 +57,7 @@ class Evaluation:
     async def __call__(self) -> dict[str, float]:
         """Greedy play on the seeds with the current weights: the app's eval_metrics, its headline first."""
         greedy = GreedyAnswers(self.rollouts.generate, self.rollouts.sampling(greedy=True))
-        results = await asyncio.gather(*(self.rollouts.play(s, f"eval{s}", greedy, self.reset_args) for s in self.seeds))
+        results = await gather_or_cancel(self.rollouts.play(s, f"eval{s}", greedy, self.reset_args) for s in self.seeds)
         done = [r for r in results if not r.aborted]
         if not done:
             logger.warning("evaluation: all %d games were aborted; no evaluation", len(results))

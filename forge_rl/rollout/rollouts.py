@@ -22,6 +22,19 @@ from forge_rl.rollout.sessions import SessionPool
 GROUPS_LOST_BEFORE_GIVING_UP = 20  # groups in a row whose every game was aborted: the environment is gone
 
 
+async def gather_or_cancel(coroutines) -> list:
+    """asyncio.gather, except that once one raises, the others are cancelled and waited for before its error
+    propagates: the sibling games of a lost group must not play on, holding sessions and engine load."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 class EnvironmentLost(RuntimeError):
     """No game can be played any more (the environment server stopped answering): the run stops."""
 
@@ -66,7 +79,7 @@ class Rollouts:
         """G games dealt from one seed: the group GRPO compares (same cards, different decisions)."""
         size = self.cfg.grpo.group_size
         shared = SharedRequests(self.generate, size, self.sampling(), seed=(self.cfg.seed, seed))
-        results = await asyncio.gather(*(self.play(seed, f"seed{seed}", shared) for _ in range(size)))
+        results = await gather_or_cancel(self.play(seed, f"seed{seed}", shared) for _ in range(size))
         self.episodes_played += len(results)
         self.aborted_games += sum(r.aborted for r in results)
         self.groups_lost_in_a_row = self.groups_lost_in_a_row + 1 if all(r.aborted for r in results) else 0

@@ -9,10 +9,10 @@ template puts after the end-of-turn token is kept; replies are compared with the
 A request EXTENDS the open segment when its messages are the previous request's messages, then the
 reply the server gave (content and tool calls; ids ignored), then any number of new messages, and the
 template renders the previous prompt and the reply as a prefix of the new conversation. The new prompt
-is then the segment's ids so far, the end-of-turn id if the reply stopped without it, and the ids of
-the text that follows the reply (the template's text after its end-of-turn token, every new message,
-the generation prompt) tokenized alone. Otherwise the segment is SEALED with a reason and a new one
-starts from a full render of the request:
+is then the segment's ids so far, the end-of-turn id if the reply stopped without it (the template's own,
+which need not be the tokenizer's eos), and the ids of the text that follows the reply (the template's
+text after its end-of-turn token, every new message, the generation prompt) tokenized alone. Otherwise
+the segment is SEALED with a reason and a new one starts from a full render of the request:
 
     compaction        the history before the reply is not the previous request's (turns dropped, summarised)
     assistant_edited  an assistant message differs from what the policy said, or the reply is missing
@@ -64,13 +64,13 @@ def _arguments(arguments) -> object:
 
 
 class Renderer:
-    """The model's chat template and tokenizer: text of messages, ids of text (tokenized alone)."""
+    """The model's chat template and tokenizer: text of messages, ids of text (tokenized alone), and the
+    template's end-of-turn token (`end_id`, `end_text`)."""
 
     def __init__(self, tokenizer, template_kwargs: dict | None = None):
-        if tokenizer.eos_token_id is None:
-            raise ValueError("the chat server needs a tokenizer with an end-of-turn (eos) token")
         self.tokenizer, self.template_kwargs = tokenizer, dict(template_kwargs or {})  # model.chat_template_kwargs
-        self.eos_id, self.eos_text = tokenizer.eos_token_id, tokenizer.eos_token
+        self.end_text = end_of_turn(tokenizer)
+        (self.end_id,) = self.ids(self.end_text)
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -79,6 +79,25 @@ class Renderer:
 
     def ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def end_of_turn(tokenizer) -> str:
+    """The token the chat template closes an assistant turn with, read from the template itself: a base
+    model's eos (Qwen's <|endoftext|>) need not be it (its ChatML template closes turns with <|im_end|>).
+    The eos when the template puts no special token right after the reply."""
+    mark = "forge_rl_reply_end"
+    conversation = [{"role": "user", "content": "u"}, {"role": "assistant", "content": mark}]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False)
+        after = text[text.index(mark) + len(mark) :]
+    except Exception:  # no template, or one that drops the reply
+        after = ""
+    special = sorted((t for t in tokenizer.all_special_tokens if t and after.startswith(t)), key=len, reverse=True)
+    if special:
+        return special[0]
+    if tokenizer.eos_token is None:
+        raise ValueError("the chat server needs a chat template that ends a turn with a special token, or an eos token")
+    return tokenizer.eos_token
 
 
 @dataclass
@@ -129,9 +148,9 @@ def plan_request(renderer: Renderer, segment: Segment | None, messages: list[dic
             reason = "template_rewrite"
         else:
             reply_text = with_reply[len(segment.prompt_text) :]
-            end = reply_text.rfind(renderer.eos_text)
-            after_end = reply_text[end + len(renderer.eos_text) :] if end >= 0 else ""
-            close = [] if segment.token_ids[-1] == renderer.eos_id else [renderer.eos_id]
+            end = reply_text.rfind(renderer.end_text)
+            after_end = reply_text[end + len(renderer.end_text) :] if end >= 0 else ""
+            close = [] if segment.token_ids[-1] == renderer.end_id else [renderer.end_id]
             return Plan(False, close + renderer.ids(after_end + prompt_text[len(with_reply) :]), prompt_text)
     return Plan(True, renderer.ids(prompt_text), prompt_text, seal_reason=reason)
 

@@ -55,14 +55,16 @@ class ForgeActor(Actor):
     @classmethod
     def options(
         cls, procs: int = 1, with_gpus: bool = False, num_replicas: int = 1, hosts: int = 1, role: str | None = None,
-        **service_options,
+        gpus_per_proc: int = 1, **service_options,
     ) -> "Launcher":
-        return Launcher(cls, procs, with_gpus, num_replicas, service_options, hosts, role)
+        return Launcher(cls, procs, with_gpus, num_replicas, service_options, hosts, role, gpus_per_proc)
 
 
 @dataclass
 class Launcher:
-    """How to place an actor class: `procs` processes per host, GPUs or not, and replicas for a service.
+    """How to place an actor class: `procs` processes per host, GPUs or not (`gpus_per_proc` each: a process
+    that starts processes of its own on them, as vLLM's engine does its tensor-parallel workers), and
+    replicas for a service.
 
     `role` names the hosts it goes to (the config's cluster section; None: the controller's host). An
     actor's mesh spans `hosts` hosts; a service's replica i runs on host i % hosts.
@@ -75,6 +77,7 @@ class Launcher:
     service_options: dict | None = None
     hosts: int = 1
     role: str | None = None
+    gpus_per_proc: int = 1
 
     async def spawn_mesh(self, *args, replica: int | None = None, **kwargs):
         """Spawn one mesh running the actor, with setup() done; `replica` places a service's replica.
@@ -85,7 +88,9 @@ class Launcher:
             placement = {"hosts": self.hosts}
         else:
             placement = {"hosts": 1, "first_host": replica % self.hosts}
-        procs = await provisioner.spawn_procs(self.procs, self.with_gpus, name=name, role=self.role, **placement)
+        procs = await provisioner.spawn_procs(
+            self.procs, self.with_gpus, name=name, role=self.role, gpus_per_proc=self.gpus_per_proc, **placement
+        )
         try:
             actor = procs.spawn(name, self.actor_cls, *args, **kwargs)
             where = await actor._bind_rank.call()

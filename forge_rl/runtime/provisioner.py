@@ -3,8 +3,9 @@
 Every proc mesh gets, before any actor runs in it: MASTER_ADDR/MASTER_PORT (host 0 of the mesh and a free
 port there, asked of that host's HostAgent, so two meshes never join each other's process group),
 WORLD_SIZE = hosts x procs per host, and CUDA_VISIBLE_DEVICES naming the GPUs this mesh was given on
-each host (one per proc, never shared between meshes). RANK (global) and LOCAL_RANK (within its host)
-are set per process by `ForgeActor` from its Monarch rank, since a mesh-wide bootstrap does not know it.
+each host (one per proc, or `gpus_per_proc`; never shared between meshes). RANK (global) and LOCAL_RANK
+(within its host) are set per process by `ForgeActor` from its Monarch rank, since a mesh-wide bootstrap
+does not know it.
 
 Hosts: by default every mesh lands on `this_host()` (MASTER_ADDR 127.0.0.1). `use_cluster` attaches the
 config's cluster (cluster.py: bare workers or Kubernetes pods); a role's meshes then go to the
@@ -133,9 +134,11 @@ class Provisioner:
         return hosts
 
     async def spawn_procs(
-        self, procs: int, with_gpus: bool = False, name: str = "forge", role: str | None = None, hosts: int = 1, first_host: int = 0
+        self, procs: int, with_gpus: bool = False, name: str = "forge", role: str | None = None, hosts: int = 1, first_host: int = 0,
+        gpus_per_proc: int = 1,
     ) -> ProcMesh:
-        """`procs` processes on each of `hosts` hosts of `role` (from its `first_host`); no role: this host."""
+        """`procs` processes on each of `hosts` hosts of `role` (from its `first_host`); no role: this host.
+        With GPUs, `gpus_per_proc` for each process, all of the mesh's visible to each."""
         if role in self.roles:
             host_mesh, role_hosts = self.roles[role]
         else:
@@ -145,7 +148,7 @@ class Provisioner:
             raise RuntimeError(f"{name}: needs {hosts} host(s), {role or 'this controller'} has {len(role_hosts)}")
         taken = []
         for host in chosen:
-            n = procs if with_gpus else 0
+            n = procs * gpus_per_proc if with_gpus else 0
             if len(host.free_gpus) < n:
                 raise RuntimeError(
                     f"{name}: needs {n} GPU(s) on {host.worker}, {len(host.free_gpus)} free; "

@@ -103,7 +103,12 @@ class Service:
     async def _spawn(self, replica: Replica, restarting: bool = False) -> None:
         replica.procs, replica.actor = await self.launcher.spawn_mesh(*self.args, replica=replica.index, **self.kwargs)
         if restarting and self.after_restart is not None:
-            await self.after_restart(replica)
+            try:
+                await self.after_restart(replica)
+            except BaseException:  # stop the mesh it made: the next attempt makes another (a vLLM engine each)
+                procs, replica.procs, replica.actor = replica.procs, None, None
+                await get_provisioner().stop_procs(procs)
+                raise
         replica.healthy = True
 
     def _mark_dead(self, replica: Replica, why: str, actor=None) -> None:

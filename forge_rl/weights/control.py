@@ -80,9 +80,11 @@ async def delete_version(version: int, prefix: str = "policy") -> None:
 
 
 async def latest_pushed_version(prefix: str = "policy") -> int:
-    """The newest version whose handle is in TorchStore; 0 (the model directory) when none is. A push
-    puts the handle while (shm) or after (broadcast, store) its bytes are written: a reader may find the
-    newest version still being written, and refuses it (StaleWeightsError) until it is complete."""
+    """The newest version whose handle is in TorchStore; 0 (the model directory) when none is. Not a
+    promise that it can be loaded: a shm push puts the handle while its bytes are still being written (a
+    reader refuses the buffer, StaleWeightsError, until they are all there); the training step after it
+    deletes the version (KeyError), and the push after next overwrites its shm buffer (StaleWeightsError).
+    A reader that meets any of these asks again (engines/vllm/generator.py `catch_up`)."""
     for version in reversed(await list_versions(prefix)):
         if await get_handle(version, prefix) is not None:
             return version

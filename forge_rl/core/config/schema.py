@@ -107,8 +107,8 @@ class GRPOConfig:
     batch_size: int = 64  # groups per train step
     max_policy_age: int = 1  # drop data sampled more than this many versions ago
     normalize_std: bool = False  # False: Dr.GRPO advantages (no division by the group std)
-    # Divide by the group's mean reward instead (rewards >= 0): the gradient of log pass rate; each group
-    # that found a pass weighs as one labelled example (loss.group_advantages)
+    # Divide by the group's mean absolute reward instead (for rewards >= 0 its mean): the gradient of log pass
+    # rate; each group that found a pass weighs as one labelled example (loss.group_advantages)
     normalize_mean: bool = False
     clip_low: float = 0.2  # PPO clip, ratio >= 1 - clip_low
     clip_high: float = 0.28  # DAPO clip-higher, ratio <= 1 + clip_high

@@ -6,7 +6,7 @@ Same TorchTitan model and HF adapter as the Trainer (model.py `build_model`), lo
 same HF directory, never updated: before the first update its log-probs equal the trainer's.
 Stateless between calls, so it runs as a service whose replicas split the batches:
 
-    ref = await ReferenceModel.options(num_replicas=2).as_service(model_path)
+    ref = await ReferenceModel.options(num_replicas=2).as_service(model_path, micro_batch_size=8)
     ref_logprobs = await ref.route("logprobs", [e.tokens for e in batch])
 
 Only needed when grpo.kl_coef > 0.
@@ -27,7 +27,8 @@ class ReferenceModel(ForgeActor):
         self,
         model_path: str,
         dtype: str = "float32",
-        micro_batch_size: int = 8,
+        *,
+        micro_batch_size: int,  # the trainer's (no default: one here was used instead of the config's)
         allowed_token_ids: list[int] | None = None,
         temperature: float = 1.0,
     ):

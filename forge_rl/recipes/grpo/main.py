@@ -72,22 +72,23 @@ async def start(cfg: RunConfig, app: App, url: str) -> Job:
         raise ConfigError(str(e)) from None
     logger.info("weight sync: %s (generator.weight_sync: %s)", sync.kind, cfg.generator.weight_sync)
     await control.start()
-    sampling = {"allowed_token_ids": allowed, "temperature": cfg.sampling.temperature}
+    # How the trainer and the reference score a batch, given to both: the generator's sampling distribution
+    # (restriction and temperature) and the trainer's micro-batches.
+    scoring = {"allowed_token_ids": allowed, "temperature": cfg.sampling.temperature, "micro_batch_size": cfg.trainer.micro_batch_size}
     policy, trainer, buffer, reference = await start_all(
-        Generator.options(
-            procs=cfg.generator.procs, with_gpus=gpus, num_replicas=cfg.generator.num_replicas,
-            hosts=cfg.generator.hosts, role="generator",
-        ).as_service(model_path, cfg.model.dtype, cfg.generator, cfg.seed),
+        Generator.replicas(cfg.generator, gpus, hosts=cfg.generator.hosts, role="generator").as_service(
+            model_path, cfg.model.dtype, cfg.generator, cfg.seed
+        ),
         Trainer.options(procs=cfg.trainer.procs, with_gpus=gpus, hosts=cfg.trainer.hosts, role="trainer").as_actor(
             model_path, GRPOLoss(cfg.grpo), cfg.trainer.optimizer, cfg.trainer.max_steps, cfg.model.dtype,
-            micro_batch_size=cfg.trainer.micro_batch_size, weight_sync=sync.kind, lora=cfg.trainer.lora, **sampling,
+            weight_sync=sync.kind, lora=cfg.trainer.lora, **scoring,
         ),
         ReplayBufferActor.options().as_actor(  # synchronous: on-policy, no group of an older version is kept
             cfg.grpo.batch_size, 0 if cfg.synchronous else cfg.grpo.max_policy_age, filter_zero_spread=cfg.grpo.filter_zero_spread
         ),
         ReferenceModel.options(
             num_replicas=cfg.reference.num_replicas, with_gpus=gpus, hosts=cfg.reference.hosts, role="reference"
-        ).as_service(model_path, cfg.model.dtype, **sampling) if with_reference else _none(),
+        ).as_service(model_path, cfg.model.dtype, **scoring) if with_reference else _none(),
     )
     if sync.kind == "broadcast":  # a replica restarted later is not in the group: its updates fail
         replicas = [r.actor for r in policy.replicas]

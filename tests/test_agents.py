@@ -1,0 +1,71 @@
+"""Agent apps (the chat-agent form) through Rollouts, with a real chat server and a real code-task server
+on 127.0.0.1. No policy: the agents of tests/agent_apps.py never ask it."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from forge_rl.core.app import load_app
+from forge_rl.core.config import load_config
+from forge_rl.envs.local import launch_local
+from forge_rl.models.tiny import build_tiny_model
+from forge_rl.rollout.evaluation import Evaluation
+from forge_rl.rollout.rollouts import Rollouts
+from tests import agent_apps
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "blackjack_agent_tiny_cpu.yaml"
+GROUP = 4
+
+
+@pytest.fixture(scope="module")
+def code_tasks():
+    with launch_local("apps.coder.env", max_concurrent_envs=16, timeout_s=180) as server:
+        yield server
+
+
+def rollouts(tmp_path, url: str) -> Rollouts:
+    cfg = load_config(CONFIG, ["app_module=tests.agent_apps", f"grpo.group_size={GROUP}", "eval.num_games=3", "env.max_concurrent=8"])
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "tiny", seed=0))
+    return Rollouts(cfg, load_app(cfg.app_module), tokenizer, None, url, None)
+
+
+def test_agents_reset_with_the_runs_reset_args(tmp_path, code_tasks):
+    """env.reset_args reach an agent's ctx.env.reset in training, eval.reset_args over them in evaluation
+    (as for the environment form): the agents report the synth family each reset chose."""
+    r = rollouts(tmp_path, code_tasks.url)
+    r.cfg.env.reset_args, r.cfg.eval.reset_args = {"task_set": "synth", "family": 2}, {"family": 1}
+    agent_apps.fail_one = False
+
+    async def main():
+        try:
+            await r.group(7)
+            return await Evaluation(r)()
+        finally:
+            await r.close()
+
+    evaluation = asyncio.run(main())
+    assert [reward for reward, _ in r.recent] == [2.0] * GROUP
+    assert evaluation == {"eval/reward": 1.0, "eval/games": 3}
+
+
+def test_a_failed_agent_cancels_the_others_of_its_group(tmp_path, code_tasks):
+    """One agent of a group raises while the others hold their environment sessions and chat rollouts:
+    the group fails at once with its error, and the others are cancelled, their sessions back in the pool
+    and their rollouts ended (they played on before, holding them)."""
+    r = rollouts(tmp_path, code_tasks.url)
+    agent_apps.fail_one, agent_apps.started[:], agent_apps.cancelled[:] = True, [], []
+
+    async def main():
+        try:
+            with pytest.raises(RuntimeError, match="this agent failed"):
+                await asyncio.wait_for(r.group(3), 120)
+            server = (await r.agents).server
+            return r.sessions.free.qsize(), dict(server.rollouts)
+        finally:
+            await r.close()
+
+    free, open_rollouts = asyncio.run(main())
+    assert len(agent_apps.started) == GROUP and len(agent_apps.cancelled) == GROUP - 1
+    assert free == 8 and open_rollouts == {}
