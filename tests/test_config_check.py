@@ -62,10 +62,12 @@ def test_help_prints_the_usage_and_where_keys_are_documented_before_any_heavy_im
     assert out.stdout.strip().endswith("exit 2 []") and "did you mean grpo.group_size?" in out.stderr, out.stdout + out.stderr
 
 
-def test_env_server_over_a_files_env_url_says_to_add_env_url_null():
+def test_env_server_over_a_files_env_url_says_to_add_env_url_null(tmp_path):
+    deployed = tmp_path / "deployed.yaml"  # a config for an environment Service, as on Kubernetes
+    deployed.write_text("env:\n  server: null\n  url: http://blackjack:8000\n")
     with pytest.raises(ConfigError, match=r"env\.server: given on the command line, but .* sets env\.url http://blackjack:8000: add env\.url=null"):
-        load_config(QWEN, ["env.server=apps.blackjack.env:BlackJackEnvironment"])
-    cfg = load_config(QWEN, ["env.server=apps.blackjack.env:BlackJackEnvironment", "env.url=null"])
+        load_config(deployed, ["env.server=apps.blackjack.env:BlackJackEnvironment"])
+    cfg = load_config(deployed, ["env.server=apps.blackjack.env:BlackJackEnvironment", "env.url=null"])
     assert cfg.env.url is None and cfg.env.server
 
 
@@ -98,7 +100,7 @@ def test_what_needs_the_app_the_environment_or_the_model_is_refused_with_the_key
     assert "app_module 'forge_rl.core.errors' lacks render_prompt, parse_action, reward" in refused(TINY, ["app_module=forge_rl.core.errors"])
     assert "answer 'FOLD' of fold_app is not in the model's vocabulary" in refused(TINY, ["app_module=fold_app"])
     words = refused(TINY, ["app_module=apps.blackjack.natural"])  # a pretrained model's English prompt on the tiny model
-    assert "does not know 'totals', 'counted', 'as' in its prompt" in words and "SAMPLE_OBSERVATION" in words
+    assert "does not know 'counts' in its prompt" in words and "SAMPLE_OBSERVATION" in words
     assert refused(TINY, ["env.server=apps.blackjack.env:NoSuchClass"]).startswith("env.server: cannot load environment")
     assert refused(TINY, ["env.server=apps.no_env"]) == "env.server: no module named 'apps.no_env' (a module of your own must be on PYTHONPATH)"
     assert "env.url: 'blackjack:8000' is not a URL" in refused(TINY, ["env.url=blackjack:8000"])

@@ -11,11 +11,28 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from forge_rl.core.config import RunConfig
 from forge_rl.core.types import Episode
 from forge_rl.recipes.grpo.self_imitation import ImitationPool
 from forge_rl.runtime.actor import call
 from forge_rl.weights import control
+
+
+def token_age_figures(batch: list[Episode], trained_version: int) -> dict[str, float]:
+    """How many versions behind the weights being trained each trained token was sampled: the lag's
+    distribution (mean, 90th percentile, max, share two or more versions old), where `train/policy_age`
+    gives only the oldest episode's. Asynchronous runs and partial rollouts make it non-zero."""
+    ages = torch.cat([trained_version - e.token_versions[e.loss_mask.bool()] for e in batch]).float()
+    if not len(ages):
+        return {}
+    return {
+        "train/token_age_mean": ages.mean().item(),
+        "train/token_age_p90": ages.quantile(0.9).item(),
+        "train/token_age_max": ages.max().item(),
+        "train/token_age_ge2": (ages >= 2).float().mean().item(),
+    }
 
 
 class Learner:
@@ -49,6 +66,7 @@ class Learner:
             "train/episode_tokens": sum(len(e.tokens) for e in batch),
             "train/policy_age": version - 1 - min(e.policy_version for e in batch),
             "train/mixed_version_episodes": sum(len(set(e.token_versions[e.loss_mask.bool()].tolist())) > 1 for e in batch) / len(batch),
+            **token_age_figures(batch, version - 1),
             "train/policy_version": version,
             "time/train_step_s": after_train - clock,
         })

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from forge_rl.core.config import RunConfig
@@ -33,6 +34,30 @@ STALL_WARNING_S = 60.0  # a training loop without a step for this long says what
 FAILED_GROUPS_BEFORE_STOPPING = 20  # groups in a row lost to unexpected errors: something is broken
 
 
+class InFlight:
+    """The groups being played, by the policy version they started under: the staleness bound where data is
+    produced. Once the oldest group in flight is `max_age` versions behind, no new group starts until it
+    ends, so a slowed machine spends its generation on finishing old groups (whose tokens would otherwise
+    grow older, then be masked or evicted) instead of spreading it over ever more of them."""
+
+    def __init__(self, max_age: int):
+        self.max_age, self.started = max(max_age, 1), Counter()  # 0 would play one group at a time
+
+    def admits(self, version: int) -> bool:
+        return not self.started or version - min(self.started) < self.max_age
+
+    def start(self, version: int) -> None:
+        self.started[version] += 1
+
+    def end(self, version: int) -> None:
+        self.started[version] -= 1
+        if not self.started[version]:
+            del self.started[version]
+
+    def __len__(self) -> int:
+        return sum(self.started.values())
+
+
 @dataclass
 class Job:
     """A run's components, wired by main.py `start`. Each owns its own state; the loops only call them."""
@@ -46,6 +71,8 @@ class Job:
     metrics: MetricsLogger
     stopping: asyncio.Event
     rollout_errors: int = 0  # groups lost to an unexpected error (logged)
+    in_flight: InFlight | None = None  # asynchronous mode: the groups being played (rollout_worker)
+    admission_waits: int = 0  # times a worker waited for an old group in flight to end
 
     async def buffer_stats(self) -> dict:
         return await call(self.buffer, "stats", timeout_s=BUFFER_TIMEOUT_S)
@@ -64,7 +91,13 @@ async def rollout_worker(job: Job) -> None:
         if (await job.buffer_stats())["groups"] >= job.cfg.grpo.batch_size:
             await asyncio.sleep(0.05)
             continue
+        version = job.state.version
+        if not job.in_flight.admits(version):
+            job.admission_waits += 1
+            await asyncio.sleep(0.05)
+            continue
         seed, job.state.next_seed = job.state.next_seed, job.state.next_seed + 1
+        job.in_flight.start(version)
         try:
             group = await job.rollouts.group(seed)
             if group:
@@ -79,6 +112,8 @@ async def rollout_worker(job: Job) -> None:
             if failures_in_a_row >= FAILED_GROUPS_BEFORE_STOPPING:
                 raise
             await asyncio.sleep(0.5)
+        finally:
+            job.in_flight.end(version)
 
 
 async def collect_synchronously(job: Job, filtered_at_step: int) -> list:
@@ -160,6 +195,8 @@ async def train(job: Job, progress, workers: list[asyncio.Task]) -> None:
             "rollout/errors": job.rollout_errors,
             "rollout/aborted_games": rollouts.aborted_games,
         })
+        if job.in_flight is not None:
+            values.update({"rollout/groups_in_flight": len(job.in_flight), "rollout/admission_waits": job.admission_waits})
         values.update({f"buffer/{k}": v for k, v in (await job.buffer_stats()).items()})
         if cfg.eval.interval and (state.step % cfg.eval.interval == 0 or state.step == cfg.trainer.max_steps):  # and the final policy
             values.update(await job.evaluation())

@@ -34,7 +34,7 @@ from forge_rl.recipes.grpo import faults
 from forge_rl.recipes.grpo.check import check_run
 from forge_rl.recipes.grpo.checkpoint import resume
 from forge_rl.recipes.grpo.learner import Learner
-from forge_rl.recipes.grpo.loop import Job, rollout_worker, train
+from forge_rl.recipes.grpo.loop import InFlight, Job, rollout_worker, train
 from forge_rl.recipes.grpo.state import RunState
 from forge_rl.recipes.metrics import MetricsLogger, plot_curves
 from forge_rl.rollout.evaluation import Evaluation, figures
@@ -104,6 +104,7 @@ async def start(cfg: RunConfig, app: App, url: str) -> Job:
         buffer=buffer,
         metrics=MetricsLogger(Path(cfg.run_dir), cfg.logging, dataclasses.asdict(cfg)),  # W&B keeps the resolved config
         stopping=asyncio.Event(),
+        in_flight=None if cfg.synchronous else InFlight(cfg.grpo.max_policy_age),
     )
 
 
