@@ -193,3 +193,34 @@ def test_generators_merge_the_adapters_they_receive_and_sample_the_trainers_poli
     full = sum(p.numel() * 4 for p in trainer_in_process(tiny, None).model.parameters())
     assert all(gap < BOUND["tiny"] for gap in gaps), gaps
     assert all(size < full / 20 for size in sizes), (sizes, full)
+
+
+def test_lora_under_fsdp2_trains_as_one_rank_does(tiny):
+    """trainer.procs 2 shards the base model and the adapters with FSDP2: the same batch gives the same loss
+    and gradient norm as one rank, both ranks agree, and the adapters pushed are as many bytes."""
+    from forge_rl.weights import control
+
+    batch = batch_for(100)
+
+    async def main():
+        await control.start()
+        one, two = await asyncio.gather(*(
+            Trainer.options(procs=procs).as_actor(tiny, GRPOLoss(GRPOConfig(entropy_coef=0.0)), OptimizerConfig(lr=1e-2),
+                                                  micro_batch_size=2, lora=LoraConfig(rank=4), weight_sync="store")
+            for procs in (1, 2)))
+        try:
+            steps = [((await one.train_step.call(batch)).item(procs=0), [v for _, v in (await two.train_step.call(batch)).items()])
+                     for _ in range(2)]
+            sizes = [(await one.push_weights.call(1)).item(procs=0), (await two.push_weights.call(2)).item(procs=0)]
+        finally:
+            await asyncio.gather(stop(one), stop(two))
+            await control.stop()
+        return steps, sizes
+
+    steps, sizes = asyncio.run(main())
+    for single, (rank0, rank1) in steps:
+        assert rank0 == rank1
+        for key in ("loss", "grad_norm", "ratio_mean"):
+            assert rank0[key] == pytest.approx(single[key], rel=1e-3), key
+    assert steps[1][0]["loss"] != steps[0][0]["loss"], "the second step saw trained adapters"
+    assert sizes[0] == sizes[1] > 0
