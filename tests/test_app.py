@@ -139,7 +139,7 @@ def test_train_checkpoint_resume_and_ctrl_c(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     for row in rows:  # synchronous is on-policy: every group of a step sampled by the weights it trains
         assert row["train/policy_age"] == 0, "a synchronous step trained on data of an older version"
-        assert row["train/token_age_max"] == 0 and row["train/token_age_mean"] == 0, "no trained token is older either"
+        assert row["train/token_age_mean"] == 0 and row["train/token_age_p90"] == 0, "no trained token is older either"
         # ...so the PPO ratio is 1, at temperature 0.7 too (the trainer scores logits / temperature)
         assert abs(row["train/ratio_max"] - 1) < 1e-3, row["train/ratio_max"]
     last = rows[-1]

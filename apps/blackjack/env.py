@@ -131,17 +131,11 @@ class BlackJackEnvironment(Environment[BlackJackAction, BlackJackObservation, Bl
         if s is None:
             return BlackJackObservation(error=error, text=error or "", metadata={})
         done = s.is_terminal()
-        player = [_card_name(s, c) for c in s.cards(0)]
-        total = s.get_best_player_total(0)
         dealer = [_card_name(s, c) for c in s.cards(s.dealer_id())] if done else []
         obs = BlackJackObservation(
-            player_cards=player,
-            player_total=total,
-            soft=total == _hard_total(player) + 10,
-            dealer_card=_card_name(s, s.dealers_visible_card()),
+            **hand(s),
             dealer_cards=dealer,
             dealer_total=s.get_best_player_total(s.dealer_id()) if done else None,
-            legal_actions=[] if done else [ACTION_NAMES[a] for a in s.legal_actions()],
             step=self._state.step_count,
             seed=self._state.seed,
             error=error,
@@ -150,6 +144,16 @@ class BlackJackEnvironment(Environment[BlackJackAction, BlackJackObservation, Bl
         )
         obs.text = _render(obs)
         return obs
+
+
+def hand(s: pyspiel.State) -> dict[str, Any]:
+    """What the player sees of an OpenSpiel BlackJack state: its cards and best total (soft when an ace
+    counts 11), the dealer's visible card, the legal actions. Also read by outside.py."""
+    player = [_card_name(s, c) for c in s.cards(0)]
+    total = s.get_best_player_total(0)
+    legal = [] if s.is_terminal() else [ACTION_NAMES[a] for a in s.legal_actions()]
+    return {"player_cards": player, "player_total": total, "soft": total == _hard_total(player) + 10,
+            "dealer_card": _card_name(s, s.dealers_visible_card()), "legal_actions": legal}
 
 
 def _render(obs: BlackJackObservation) -> str:

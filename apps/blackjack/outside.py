@@ -17,16 +17,7 @@ import pyspiel
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from apps.blackjack.env import ACTION_NAMES, _card_name, _hard_total
-
-
-def observation(state: pyspiel.State) -> dict:
-    """What the app's render_prompt reads, as the environment server reports it."""
-    cards = [_card_name(state, c) for c in state.cards(0)]
-    total = state.get_best_player_total(0)
-    return {"player_total": total, "soft": total == _hard_total(cards) + 10, "player_cards": cards,
-            "dealer_card": _card_name(state, state.dealers_visible_card()), "done": False,
-            "legal_actions": [ACTION_NAMES[a] for a in state.legal_actions()]}
+from apps.blackjack.env import hand
 
 
 def play(model_dir: str, app_name: str, games: int, seed: int = 0, template_kwargs: dict | None = None) -> tuple[float, float]:
@@ -47,7 +38,7 @@ def play(model_dir: str, app_name: str, games: int, seed: int = 0, template_kwar
                 outcomes, probs = zip(*state.chance_outcomes())
                 state.apply_action(rng.choices(outcomes, probs)[0])
                 continue
-            obs = observation(state)
+            obs = {**hand(state), "done": False}
             messages.append({"role": "user", "content": app.render_prompt(obs)})
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True,
                                                 **(template_kwargs or {}))["input_ids"]

@@ -22,15 +22,14 @@ from forge_rl.weights import control
 
 def token_age_figures(batch: list[Episode], trained_version: int) -> dict[str, float]:
     """How many versions behind the weights being trained each trained token was sampled: the lag's
-    distribution (mean, 90th percentile, max, share two or more versions old), where `train/policy_age`
-    gives only the oldest episode's. Asynchronous runs and partial rollouts make it non-zero."""
+    distribution (mean, 90th percentile, share two or more versions old) beside its maximum,
+    `train/policy_age` (the oldest token's). Asynchronous runs and partial rollouts make it non-zero."""
     ages = torch.cat([trained_version - e.token_versions[e.loss_mask.bool()] for e in batch]).float()
     if not len(ages):
         return {}
     return {
         "train/token_age_mean": ages.mean().item(),
         "train/token_age_p90": ages.quantile(0.9).item(),
-        "train/token_age_max": ages.max().item(),
         "train/token_age_ge2": (ages >= 2).float().mean().item(),
     }
 

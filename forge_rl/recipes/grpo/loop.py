@@ -42,9 +42,12 @@ class InFlight:
 
     def __init__(self, max_age: int):
         self.max_age, self.started = max(max_age, 1), Counter()  # 0 would play one group at a time
+        self.refusals = 0  # times a worker was told to wait for an old group to end
 
     def admits(self, version: int) -> bool:
-        return not self.started or version - min(self.started) < self.max_age
+        admitted = not self.started or version - min(self.started) < self.max_age
+        self.refusals += not admitted
+        return admitted
 
     def start(self, version: int) -> None:
         self.started[version] += 1
@@ -72,7 +75,6 @@ class Job:
     stopping: asyncio.Event
     rollout_errors: int = 0  # groups lost to an unexpected error (logged)
     in_flight: InFlight | None = None  # asynchronous mode: the groups being played (rollout_worker)
-    admission_waits: int = 0  # times a worker waited for an old group in flight to end
 
     async def buffer_stats(self) -> dict:
         return await call(self.buffer, "stats", timeout_s=BUFFER_TIMEOUT_S)
@@ -93,7 +95,6 @@ async def rollout_worker(job: Job) -> None:
             continue
         version = job.state.version
         if not job.in_flight.admits(version):
-            job.admission_waits += 1
             await asyncio.sleep(0.05)
             continue
         seed, job.state.next_seed = job.state.next_seed, job.state.next_seed + 1
@@ -196,7 +197,7 @@ async def train(job: Job, progress, workers: list[asyncio.Task]) -> None:
             "rollout/aborted_games": rollouts.aborted_games,
         })
         if job.in_flight is not None:
-            values.update({"rollout/groups_in_flight": len(job.in_flight), "rollout/admission_waits": job.admission_waits})
+            values.update({"rollout/groups_in_flight": len(job.in_flight), "rollout/admission_waits": job.in_flight.refusals})
         values.update({f"buffer/{k}": v for k, v in (await job.buffer_stats()).items()})
         if cfg.eval.interval and (state.step % cfg.eval.interval == 0 or state.step == cfg.trainer.max_steps):  # and the final policy
             values.update(await job.evaluation())
