@@ -118,7 +118,8 @@ def test_check_then_train_a_few_steps_on_the_tiny_model(my_envs, tmp_path):
 
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3]
-    (last,) = [r for r in rows if "eval/found" in r]
+    untrained, last = [r for r in rows if "eval/found" in r]  # the run opens with the untrained policy's
+    assert untrained["step"] == 0 and last["step"] == 3
     found = last["eval/found"]
     # Every game either found the number (1) or was cut off after 2 guesses (-3): constrained answers are never invalid.
     assert last["eval/reward"] == pytest.approx(found - 3 * (1 - found)) and found < 1

@@ -195,6 +195,7 @@ def test_generators_merge_the_adapters_they_receive_and_sample_the_trainers_poli
     assert all(size < full / 20 for size in sizes), (sizes, full)
 
 
+@pytest.mark.slow  # two trainer meshes, three processes: over a minute on 2 cores
 def test_lora_under_fsdp2_trains_as_one_rank_does(tiny):
     """trainer.procs 2 shards the base model and the adapters with FSDP2: the same batch gives the same loss
     and gradient norm as one rank, both ranks agree, and the adapters pushed are as many bytes."""
