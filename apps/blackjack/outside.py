@@ -17,7 +17,7 @@ import pyspiel
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from apps.blackjack.env import hand
+from apps.blackjack.env import ACTIONS as OPENSPIEL_ACTIONS, hand
 
 
 def play(model_dir: str, app_name: str, games: int, seed: int = 0, template_kwargs: dict | None = None) -> tuple[float, float]:
@@ -54,7 +54,7 @@ def play(model_dir: str, app_name: str, games: int, seed: int = 0, template_kwar
                 invalid += 1
                 break
             messages.append({"role": "assistant", "content": answer})
-            state.apply_action({"HIT": 0, "STAND": 1}[action["action"]])
+            state.apply_action(OPENSPIEL_ACTIONS[action["action"]])
         total += state.returns()[0] if state.is_terminal() else -1.0  # an invalid answer: the app's penalty of 1
     return total / games, invalid / games
 
