@@ -7,13 +7,15 @@ as other jobs did when asynchronous learning was seen to drift). Under that load
 twice for `--steps`: synchronously, then asynchronously with partial rollouts and geometric-mean IS masking,
 each evaluated greedily on the config's fixed deals. Staleness is bounded where data is produced (the loop
 admits no new group while the oldest in flight is on its last trainable version), so the asynchronous run's
-token ages stay within `grpo.max_policy_age` and its masked fraction stays small. Printed, from each run's
-metrics.jsonl:
+token ages stay within `grpo.max_policy_age`; whether its learning keeps up is the first line. Printed, from
+each run's metrics.jsonl:
 
     async_under_load ev_luck_corrected async=<x> sync=<y> diff=<x-y>      at the last evaluation
     async_under_load minutes async=<x> sync=<y> ratio=<x/y>
     async_under_load token_age mean=<x> p90_max=<y> ge2_max=<z>           per trained token, over the run
-    async_under_load is_masked_fraction mean=<x> max=<y>; mixed_version_episodes max=<z>; admission_waits=<n>
+    async_under_load is_masked_fraction mean=<x> max=<y> (step <s>); mixed_version_episodes max=<z>; admission_waits=<n>
+
+Both runs stay in `--out` (default: a new temporary directory, printed) for their metrics.jsonl and curves.
 """
 
 from __future__ import annotations
@@ -37,16 +39,15 @@ def spin() -> None:
         pass
 
 
-def run(overrides: list[str]) -> tuple[list[dict], float]:
-    """One run of configs/blackjack_tiny_cpu.yaml: its metrics rows and its minutes."""
-    with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, "-m", "forge_rl.grpo", "--config", "configs/blackjack_tiny_cpu.yaml", f"run_dir={tmp}/run", *overrides]
-        start = time.monotonic()
-        done = subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"forge_rl.grpo failed ({done.returncode}): {done.stderr[-2000:]}")
-        rows = [json.loads(line) for line in (Path(tmp) / "run/metrics.jsonl").read_text().splitlines()]
-        return rows, (time.monotonic() - start) / 60
+def run(overrides: list[str], run_dir: Path) -> tuple[list[dict], float]:
+    """One run of configs/blackjack_tiny_cpu.yaml into `run_dir`: its metrics rows and its minutes."""
+    command = [sys.executable, "-m", "forge_rl.grpo", "--config", "configs/blackjack_tiny_cpu.yaml", f"run_dir={run_dir}", *overrides]
+    start = time.monotonic()
+    done = subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"forge_rl.grpo failed ({done.returncode}): {done.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return rows, (time.monotonic() - start) / 60
 
 
 def last(rows: list[dict], key: str) -> float:
@@ -61,20 +62,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--load", type=int, default=4, help="busy-looping processes running throughout")
     parser.add_argument("--steps", type=int, default=100, help="train steps per run")
+    parser.add_argument("--out", type=Path, default=None, help="keep both runs here (sync/, async/); default: a temporary directory")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value for both runs")
     args = parser.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="async_under_load_"))
 
     spinners = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.load)]
     for p in spinners:
         p.start()
     try:
         common = [f"trainer.max_steps={args.steps}", f"eval.interval={args.steps}", *args.overrides]
-        sync_rows, sync_min = run(common)
-        async_rows, async_min = run([*ASYNC, *common])
+        sync_rows, sync_min = run(common, out / "sync")
+        async_rows, async_min = run([*ASYNC, *common], out / "async")
     finally:
         for p in spinners:
             p.kill()
 
+    print(f"runs: {out}")
     ev = "eval/ev_luck_corrected"
     a, s = last(async_rows, ev), last(sync_rows, ev)
     print(f"async_under_load ev_luck_corrected async={a:.3f} sync={s:.3f} diff={a - s:+.3f}")
@@ -82,7 +86,8 @@ def main() -> None:
     print(f"async_under_load token_age mean={statistics.mean(series(async_rows, 'train/token_age_mean')):.3f} "
           f"p90_max={max(series(async_rows, 'train/token_age_p90')):.2f} ge2_max={max(series(async_rows, 'train/token_age_ge2')):.3f}")
     masked = series(async_rows, "train/is_masked_fraction")
-    print(f"async_under_load is_masked_fraction mean={statistics.mean(masked):.3f} max={max(masked):.3f}; "
+    worst = max((r for r in async_rows if "train/is_masked_fraction" in r), key=lambda r: r["train/is_masked_fraction"], default={})
+    print(f"async_under_load is_masked_fraction mean={statistics.mean(masked):.3f} max={max(masked):.3f} (step {worst.get('step')}); "
           f"mixed_version_episodes max={max(series(async_rows, 'train/mixed_version_episodes')):.3f}; "
           f"admission_waits={last(async_rows, 'rollout/admission_waits'):.0f}")
 

@@ -13,9 +13,13 @@ back from its metrics.jsonl; the first two steps are warm-up. Printed:
         but the adapters'), N the parameters of the transformer blocks (the head runs only where a token is
         trained). A ratio above 1 is work not done: a group's games share their prompt's forward.
     real_model_loop episodes_per_s ours=<x> (per step: generation g s, train t s, weight sync w s, other o s)
-    real_model_memory peak_rss_gb ours=<x>        every process of the run (controller, actors, vLLM, env server)
+    real_model_memory peak_pss_gb ours=<x> (rss_sum=<y>)   every process of the run (controller, actors, vLLM,
+        env server): resident memory with each shared page split among the processes mapping it (PSS); the
+        plain sum of RSS counts the shared-memory weight buffers and mapped model files once per process
     lora_vs_full sync_bytes lora=<x> full=<y> ratio=<x/y>
     lora_vs_full step_s lora=<x> full=<y> ratio=<x/y>      the train step alone
+    lora_vs_full step_s_per_1k_tokens lora=<x> full=<y> ratio=<x/y>   the same per token trained (the two
+        policies play differently, so their episodes differ in length)
 """
 
 from __future__ import annotations
@@ -58,21 +62,27 @@ def block_parameters() -> int:
     return layers * (2 * d * d + 2 * d * kv + 3 * d * f)
 
 
-def run(overrides: list[str], steps: int) -> tuple[list[dict], float]:
-    """One run of the config; its metrics rows and the peak resident memory of all its processes (bytes)."""
+def run(overrides: list[str], steps: int) -> tuple[list[dict], tuple[int, int]]:
+    """One run of the config; its metrics rows and the peak memory of all its processes (PSS, RSS; bytes)."""
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, "-m", "forge_rl.grpo", "--config", str(CONFIG), f"run_dir={tmp}/run",
                    f"trainer.max_steps={steps}", "eval.interval=0", "trainer.checkpoint_every=0", *overrides]
         proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        peak = [0]
+        peak = [0, 0]
 
         def sample() -> None:
             while proc.poll() is None:
+                pss = rss = 0
                 try:
-                    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-                    peak[0] = max(peak[0], sum(p.memory_info().rss for p in tree if p.is_running()))
+                    for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+                        try:
+                            info = p.memory_full_info()
+                            pss, rss = pss + info.pss, rss + info.rss
+                        except psutil.Error:  # a process that ended meanwhile
+                            pass
                 except psutil.Error:
                     pass
+                peak[0], peak[1] = max(peak[0], pss), max(peak[1], rss)
                 time.sleep(0.5)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -82,7 +92,7 @@ def run(overrides: list[str], steps: int) -> tuple[list[dict], float]:
         if proc.returncode != 0:
             raise SystemExit(f"forge_rl.grpo failed ({proc.returncode}): {err[-2000:]}")
         rows = [json.loads(line) for line in (Path(tmp) / "run/metrics.jsonl").read_text().splitlines()]
-        return [r for r in rows if "train/loss" in r], peak[0]
+        return [r for r in rows if "train/loss" in r], (peak[0], peak[1])
 
 
 def median(rows: list[dict], key: str) -> float:
@@ -113,12 +123,15 @@ def main() -> None:
     other = wall - generation - train - push - update
     print(f"real_model_loop episodes_per_s ours={episodes / wall:.2f} (per step of {wall:.1f} s: generation {generation:.1f} s, "
           f"train {train:.1f} s, weight sync {push + update:.2f} s, other {other:.2f} s)")
-    print(f"real_model_memory peak_rss_gb ours={peak / 2**30:.1f}")
+    print(f"real_model_memory peak_pss_gb ours={peak[0] / 2**30:.1f} (rss_sum={peak[1] / 2**30:.1f})")
 
     lora_bytes, full_bytes = median(lora_rows, "weight_sync/bytes"), median(full_rows, "weight_sync/bytes")
     print(f"lora_vs_full sync_bytes lora={lora_bytes:.0f} full={full_bytes:.0f} ratio={lora_bytes / full_bytes:.3f}")
     lora_step, full_step = median(lora_rows, "time/train_step_s"), median(full_rows, "time/train_step_s")
     print(f"lora_vs_full step_s lora={lora_step:.2f} full={full_step:.2f} ratio={lora_step / full_step:.2f}")
+    lora_tok = 1000 * lora_step / median(lora_rows, "train/episode_tokens")
+    full_tok = 1000 * full_step / median(full_rows, "train/episode_tokens")
+    print(f"lora_vs_full step_s_per_1k_tokens lora={lora_tok:.2f} full={full_tok:.2f} ratio={lora_tok / full_tok:.2f}")
 
 
 if __name__ == "__main__":
