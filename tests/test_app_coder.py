@@ -22,6 +22,7 @@ from forge_rl.core.config import load_config
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # 80 s on 2 cores; make test keeps under 20 minutes with its install (make test-slow runs it)
 def test_tiny_config_trains_on_graded_submissions(tmp_path):
     run_dir = tmp_path / "run"
     small = ["trainer.max_steps=2", "grpo.batch_size=2", "grpo.group_size=4", "rollout.num_workers=2",
