@@ -21,7 +21,6 @@ Both runs stay in `--out` (default: a new temporary directory, printed) for thei
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import statistics
 import subprocess
@@ -31,6 +30,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from forge_rl.recipes.metrics import read_metrics  # noqa: E402
+
 ASYNC = ["synchronous=false", "generator.partial_rollouts=true", "grpo.is_correction.level=geo", "grpo.is_correction.mode=mask"]
 
 
@@ -46,8 +49,7 @@ def run(overrides: list[str], run_dir: Path) -> tuple[list[dict], float]:
     done = subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
         raise SystemExit(f"forge_rl.grpo failed ({done.returncode}): {done.stderr[-2000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return rows, (time.monotonic() - start) / 60
+    return read_metrics(run_dir), (time.monotonic() - start) / 60
 
 
 def last(rows: list[dict], key: str) -> float:

@@ -37,6 +37,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from forge_rl.recipes.metrics import read_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs/blackjack_smollm2_cpu.yaml"
 WARMUP = 2
@@ -91,8 +93,7 @@ def run(overrides: list[str], steps: int) -> tuple[list[dict], tuple[int, int]]:
         sampler.join()
         if proc.returncode != 0:
             raise SystemExit(f"forge_rl.grpo failed ({proc.returncode}): {err[-2000:]}")
-        rows = [json.loads(line) for line in (Path(tmp) / "run/metrics.jsonl").read_text().splitlines()]
-        return [r for r in rows if "train/loss" in r], (peak[0], peak[1])
+        return [r for r in read_metrics(Path(tmp) / "run") if "train/loss" in r], (peak[0], peak[1])
 
 
 def median(rows: list[dict], key: str) -> float:
