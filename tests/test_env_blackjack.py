@@ -145,6 +145,56 @@ def test_returns_match_openspiel_and_the_reference_ev(server, name, ev):
     assert abs(mean - ev) < 0.04, mean  # 3.3 standard errors; always stand and mimic are 0.1 apart
 
 
+def exact_expected_return(player_cards, player_total, dealer_card):
+    """By the rules alone (dealer hits 16 or less, stands on every 17), over the cards the player did not see."""
+    value = {"A": 1, "J": 10, "Q": 10, "K": 10}
+    left = {v: 4 for v in range(1, 10)} | {10: 16}
+    for card in [*player_cards, dealer_card]:
+        left[value.get(card[:-1]) or int(card[:-1])] -= 1
+
+    def dealer(hard, ace):
+        best = hard + 10 if ace and hard + 10 <= 21 else hard
+        if best > 21:
+            return 1.0
+        if best >= 17:
+            return float((player_total > best) - (player_total < best))
+        cards, total = sum(left.values()), 0.0
+        for v, n in list(left.items()):
+            if n:
+                left[v] -= 1
+                total += n / cards * dealer(hard + v, ace or v == 1)
+                left[v] += 1
+        return total
+
+    up = value.get(dealer_card[:-1]) or int(dealer_card[:-1])
+    return -1.0 if player_total > 21 else dealer(up, up == 1)
+
+
+def test_expected_reward_averages_out_only_what_the_player_never_saw(server):
+    """reward="expected": the return over the dealer's hole card and draws, exactly (against a separate
+    computation from the rules alone); the default stays the hand's +1 / 0 / -1; a wrong name is refused."""
+
+    async def go():
+        async with EnvSession(server.url) as session:
+            checked = 0
+            for seed in range(30):
+                for hit_below in (12, 17):
+                    obs = (await session.reset(seed=seed, reward="expected")).observation
+                    while not obs["done"]:
+                        obs = (await session.step({"action": "HIT" if obs["player_total"] < hit_below else "STAND"})).observation
+                    want = exact_expected_return(obs["player_cards"], obs["player_total"], obs["dealer_card"])
+                    assert obs["reward"] == pytest.approx(want, abs=1e-9), (seed, obs)
+                    checked += want not in (-1.0, 0.0, 1.0)
+            assert checked > 30
+            outcome = (await session.reset(seed=3)).observation
+            outcome = (await session.step({"action": "STAND"})).observation
+            assert outcome["reward"] in (-1.0, 0.0, 1.0) and "You " in outcome["text"] or "Push" in outcome["text"]
+            with pytest.raises(EnvError, match="reward: expected one of outcome, expected, got 'luck'"):
+                await session.reset(seed=3, reward="luck")
+
+    run(go())
+
+
 def test_illegal_and_malformed_actions_do_not_end_the_session(server):
     async def go():
         async with EnvSession(server.url) as session:

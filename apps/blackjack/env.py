@@ -14,6 +14,13 @@ is still dealing without replacement from a uniformly shuffled deck: the game is
 for card in distribution. A client can restore an episode on a fresh session by replaying seed +
 actions.
 
+Training reward (reset argument `reward`): "outcome" (default), the hand's +1 / 0 / -1; or "expected",
+the hand's expected return given what the player saw (its cards and the dealer's visible card), the
+dealer's hole card and draws averaged out exactly over OpenSpiel's own chance outcomes. Its mean over
+deals is the same EV and a policy gradient built on it is the same in expectation (the player's decisions
+never see the hole card), with the dealer's luck removed: the variance that drowns a small model's
+hand-dependent signal (docs/real_models.md). Evaluations keep "outcome" (eval.reset_args).
+
 Errors are observations: an illegal or unparseable action, or a step after the end, returns the
 unchanged hand with `error` set and no reward; the session goes on. No penalty is applied here;
 the app decides what an invalid answer costs.
@@ -34,6 +41,7 @@ from pydantic import Field
 
 ACTIONS = {"HIT": 0, "STAND": 1}  # OpenSpiel's action ids
 ACTION_NAMES = {v: k for k, v in ACTIONS.items()}
+REWARDS = ("outcome", "expected")
 
 
 class BlackJackAction(Action):
@@ -85,8 +93,12 @@ class BlackJackEnvironment(Environment[BlackJackAction, BlackJackObservation, Bl
         self._spiel: pyspiel.State | None = None
         self._shoe: list[int] = []
         self._state = BlackJackState()
+        self._reward = "outcome"
 
-    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None, **kwargs: Any) -> BlackJackObservation:
+    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None, reward: str = "outcome", **kwargs: Any) -> BlackJackObservation:
+        if reward not in REWARDS:
+            raise ValueError(f"reward: expected one of {', '.join(REWARDS)}, got {reward!r}")
+        self._reward = reward
         if seed is None:
             seed = secrets.randbits(31)
         self._shoe = list(range(52))
@@ -140,10 +152,13 @@ class BlackJackEnvironment(Environment[BlackJackAction, BlackJackObservation, Bl
             seed=self._state.seed,
             error=error,
             done=done,
-            reward=float(s.returns()[0]) if done and error is None else None,
+            reward=self._final_reward() if done and error is None else None,
         )
-        obs.text = _render(obs)
+        obs.text = _render(obs, float(s.returns()[0]) if done else None)
         return obs
+
+    def _final_reward(self) -> float:
+        return expected_return(self._spiel) if self._reward == "expected" else float(self._spiel.returns()[0])
 
 
 def hand(s: pyspiel.State) -> dict[str, Any]:
@@ -156,13 +171,58 @@ def hand(s: pyspiel.State) -> dict[str, Any]:
             "dealer_card": _card_name(s, s.dealers_visible_card()), "legal_actions": legal}
 
 
-def _render(obs: BlackJackObservation) -> str:
+def _value(state: pyspiel.State, card: int) -> int:
+    rank = _card_name(state, card)[:-1]
+    return {"A": 1, "J": 10, "Q": 10, "K": 10}.get(rank) or int(rank)
+
+
+def expected_return(final: pyspiel.State) -> float:
+    """The player's expected return over what it never saw: replay the hand with each possible hole card
+    (every card not in the player's hand and not the dealer's visible one) and, from where the player's
+    turn ended, average OpenSpiel's returns over its chance outcomes. Cards of one value are one branch
+    (suits never matter), and dealer hands holding the same values share one result."""
+    if final.get_best_player_total(0) > 21:
+        return -1.0
+    seen = set(final.cards(0)) | {final.dealers_visible_card()}
+    hole_at = final.history().index(final.cards(final.dealer_id())[0])  # the dealer's first card is the hole card
+    memo: dict[tuple[int, ...], float] = {}
+
+    def dealer_turn(s: pyspiel.State) -> float:
+        if s.is_terminal():
+            return float(s.returns()[0])
+        key = tuple(sorted(_value(s, c) for c in s.cards(s.dealer_id())))
+        if key not in memo:
+            memo[key] = sum(p * dealer_turn(s.child(card)) for card, p in _by_value(s, s.chance_outcomes()))
+        return memo[key]
+
+    unseen = [(card, 1.0 / (52 - len(seen))) for card in range(52) if card not in seen]
+    expected = 0.0
+    for hole, p in _by_value(final, unseen):
+        s = final.get_game().new_initial_state()
+        for i, action in enumerate(final.history()):
+            if s.is_terminal() or (s.is_chance_node() and len(s.cards(0)) == len(final.cards(0)) and len(s.cards(s.dealer_id())) >= 2):
+                break  # the player's turn is over: what follows is the dealer's
+            s.apply_action(hole if i == hole_at else action)
+        expected += p * dealer_turn(s)
+    return expected
+
+
+def _by_value(state: pyspiel.State, outcomes) -> list[tuple[int, float]]:
+    """(card, probability) grouped by card value: one card of each value, carrying the value's probability."""
+    groups: dict[int, tuple[int, float]] = {}
+    for card, p in outcomes:
+        first, total = groups.get(_value(state, card), (card, 0.0))
+        groups[_value(state, card)] = (first, total + p)
+    return list(groups.values())
+
+
+def _render(obs: BlackJackObservation, outcome: float | None) -> str:
     hand = f"Your cards: {' '.join(obs.player_cards)} (total {obs.player_total}{', soft' if obs.soft else ''})."
     if not obs.done:
         text = f"{hand} Dealer shows: {obs.dealer_card}. Legal: {', '.join(obs.legal_actions)}."
     else:
-        outcome = {1.0: "You win", 0.0: "Push", -1.0: "You lose"}.get(obs.reward, "Hand over")
-        text = f"{hand} Dealer: {' '.join(obs.dealer_cards)} (total {obs.dealer_total}). {outcome}."
+        result = {1.0: "You win", 0.0: "Push", -1.0: "You lose"}[outcome]
+        text = f"{hand} Dealer: {' '.join(obs.dealer_cards)} (total {obs.dealer_total}). {result}."
     return f"Error: {obs.error}. {text}" if obs.error else text
 
 
