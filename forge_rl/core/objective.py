@@ -12,7 +12,7 @@ from collections import defaultdict
 import torch
 
 from forge_rl.core.config import GRPOConfig
-from forge_rl.core.loss import grpo_loss, rollout_advantages
+from forge_rl.core.loss import group_advantages, grpo_loss, rollout_advantages
 from forge_rl.core.types import Episode
 
 
@@ -31,6 +31,71 @@ def episode_advantages(batch: list[Episode], config: GRPOConfig) -> torch.Tensor
     return advantages
 
 
+def answer_turns(episode: Episode) -> list[tuple[int, int]]:
+    """(start, end) of each run of sampled tokens: one answer of the conversation per run."""
+    mask = torch.as_tensor(episode.loss_mask).bool().tolist() + [False]
+    turns, start = [], None
+    for t, sampled in enumerate(mask):
+        if sampled and start is None:
+            start = t
+        elif not sampled and start is not None:
+            turns.append((start, t))
+            start = None
+    return turns
+
+
+def turn_advantages(batch: list[Episode], config: GRPOConfig) -> list[torch.Tensor]:
+    """Per token [T] for each episode: its episode advantage plus `turn_credit` times a per-turn one (GiGPO's
+    step-level group, Feng et al. 2025). The games of a group that reached the same conversation (the same
+    ids before an answer) faced the same state, and from there their rewards compare that answer with the
+    others given there; with a shared seed (BlackJack's shoe) they reached it through the same cards too.
+    Without it every answer of a game gets the game's credit, so a good hit followed by a bad one looks bad.
+    The reward compared is the episode's, the return from every turn when, as in these apps, it comes at
+    the end. A state one game alone reached has nothing to compare with: only its episode advantage."""
+    base = episode_advantages(batch, config)
+    by_group = defaultdict(list)
+    for i, e in enumerate(batch):
+        by_group[e.group_id].append(i)
+    per_token = [torch.full((len(e.tokens),), float(base[i])) for i, e in enumerate(batch)]
+    for rows in by_group.values():
+        visits = defaultdict(dict)  # conversation before an answer -> {rollout: reward}
+        turns = {i: answer_turns(batch[i]) for i in rows}
+        for i in rows:
+            for start, _ in turns[i]:
+                visits[_context(batch[i], start)][batch[i].rollout_id or -i - 1] = float(batch[i].reward)
+        for i in rows:
+            for start, end in turns[i]:
+                seen = visits[_context(batch[i], start)]
+                rollouts = list(seen)
+                step = group_advantages(torch.tensor(list(seen.values())), config.normalize_std)
+                per_token[i][start:end] += config.turn_credit * step[rollouts.index(batch[i].rollout_id or -i - 1)]
+    return per_token
+
+
+def centre_per_answer(batch: list[Episode], per_token: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Subtract from each trained token's advantage the batch's mean advantage of the same token id. In logit
+    terms a state then moves by how much better an answer is THERE than it is on average over the batch, so
+    the answer better on average (BlackJack's stand, while the rest of the hand is played at random) cannot
+    drive every state at once to it before the state-dependent part is learnt. Biased on purpose (an action-
+    dependent baseline without its correction): an answer best everywhere is never learnt to be."""
+    sums, counts = defaultdict(float), defaultdict(int)
+    for e, a in zip(batch, per_token):
+        for p in torch.nonzero(torch.as_tensor(e.loss_mask)).flatten().tolist():
+            sums[int(e.tokens[p])] += float(a[p])
+            counts[int(e.tokens[p])] += 1
+    out = []
+    for e, a in zip(batch, per_token):
+        a = a.clone()
+        for p in torch.nonzero(torch.as_tensor(e.loss_mask)).flatten().tolist():
+            a[p] -= sums[int(e.tokens[p])] / counts[int(e.tokens[p])]
+        out.append(a)
+    return out
+
+
+def _context(episode: Episode, start: int) -> bytes:
+    return torch.as_tensor(episode.tokens[:start]).numpy().tobytes()
+
+
 class GRPOLoss:
     """PPO's clipped surrogate against the behaviour log-probs, KL, entropy bonus and importance-sampling
     correction (core/loss.py `grpo_loss`), plus the trainer/behaviour ratio's extremes by the age of each
@@ -41,8 +106,17 @@ class GRPOLoss:
         self.imitation_coef = config.self_imitation.coef  # self-imitation's NLL beside the GRPO loss
         self.batch_entropy: float | None = None  # this step's, set by prepare (entropy floor only)
 
-    def advantages(self, batch: list[Episode]) -> torch.Tensor:
-        return episode_advantages(batch, self.config)
+    def advantages(self, batch: list[Episode]) -> torch.Tensor | list[torch.Tensor]:
+        """[B], or per token [T] for each episode with `turn_credit` or `centre_per_answer`."""
+        if self.config.turn_credit:
+            advantages = turn_advantages(batch, self.config)
+        else:
+            advantages = episode_advantages(batch, self.config)
+        if self.config.centre_per_answer:
+            if not isinstance(advantages, list):
+                advantages = [torch.full((len(e.tokens),), float(a)) for e, a in zip(batch, advantages)]
+            return centre_per_answer(batch, advantages)
+        return advantages
 
     def prepare(self, t: dict[str, torch.Tensor], mean_entropy=None) -> float:
         """Before the micro-batches, on the whole batch: drop tokens sampled too many versions ago from the

@@ -119,6 +119,11 @@ class GRPOConfig:
     # The bonus acts only while the mean entropy per trained token is below this floor (None: always).
     entropy_floor: Optional[float] = None
     filter_zero_spread: bool = False  # DAPO dynamic sampling: skip groups whose rewards are all equal
+    # Weight of each answer's own credit beside its game's: the games of a group that reached the same
+    # conversation compared from there (GiGPO's step-level advantage; objective.turn_advantages). 0: off
+    turn_credit: float = 0.0
+    # Subtract from each answer token's advantage the batch's mean for that token (objective.centre_per_answer)
+    centre_per_answer: bool = False
     max_token_age: Optional[int] = None  # drop from the loss tokens sampled more than this many versions ago
     is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
     self_imitation: SelfImitationConfig = field(default_factory=SelfImitationConfig)
@@ -127,7 +132,7 @@ class GRPOConfig:
         if self.group_size < 2:
             raise ConfigError(f"{key}.group_size: expected >= 2 (advantages compare a group), got {self.group_size}")
         _positive(self, key, "batch_size")
-        _non_negative(self, key, "max_policy_age", "clip_low", "clip_high", "kl_coef", "entropy_coef")
+        _non_negative(self, key, "max_policy_age", "clip_low", "clip_high", "kl_coef", "entropy_coef", "turn_credit")
         if self.normalize_std and self.normalize_mean:
             raise ConfigError(f"{key}.normalize_mean: divides by the group's mean instead of its std; set normalize_std false")
         if self.clip_low >= 1:

@@ -66,11 +66,11 @@ class Trainer(ForgeActor):
     Invariant: every rank holds the same step count and applies the same update (each rank gets the whole
     batch, trains on its slice, FSDP sums the gradients).
 
-    The loss function (core/objective.py `GRPOLoss` is one): `advantages(episodes) -> [B]`;
+    The loss function (core/objective.py `GRPOLoss` is one): `advantages(episodes) -> [B]` (or a [T] per episode);
     `prepare(tensors, mean_entropy) -> denominator`, on the whole batch before its micro-batches
     (`mean_entropy()`: the batch's mean entropy per trained token, all ranks', by a forward without grad); and
     `loss_fn(logprobs [B, T], piece, logits, denominator) -> (loss, metrics)` per micro-batch, where `piece`
-    holds "behaviour", "mask" (weighted), "ages", "ref" (when given) as [B, T] and "advantages" [B], and the
+    holds "behaviour", "mask" (weighted), "ages", "ref" (when given) and "advantages" as [B, T], and the
     pieces' gradients add up to the batch's. Its metrics must include `num_tokens` (see `reduction` for the
     others); `imitation_coef` weighs the NLL of the episodes to imitate.
     """
@@ -265,7 +265,7 @@ class Trainer(ForgeActor):
             set_scheduler_lr(scheduler, [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)])
 
     def _tensors(self, batch: list[Episode], advantages, ref_logprobs) -> dict[str, torch.Tensor]:
-        """Episodes -> right-padded [B, T] CPU tensors, lengths [B], advantages [B], and each token's age:
+        """Episodes -> right-padded [B, T] CPU tensors (advantages too), lengths [B], and each token's age:
         how many versions before the last pushed one it was sampled."""
         if not batch:
             raise ValueError("train_step: empty batch")
@@ -280,8 +280,11 @@ class Trainer(ForgeActor):
             "mask": pad([e.loss_mask for e in batch], torch.float32),
             "behaviour": pad([e.behaviour_logprobs for e in batch], torch.float32),
             "ages": self.policy_version - pad([e.token_versions for e in batch], torch.long),
-            "advantages": torch.as_tensor(advantages, dtype=torch.float32),
         }
+        if isinstance(advantages, list):  # per token
+            t["advantages"] = pad(advantages, torch.float32)
+        else:
+            t["advantages"] = torch.as_tensor(advantages, dtype=torch.float32)[:, None].expand(len(batch), length)
         t["mask"][:, 0] = 0  # the first token has no prediction to train
         if ref_logprobs is not None:
             t["ref"] = pad(ref_logprobs, torch.float32)
@@ -291,9 +294,9 @@ class Trainer(ForgeActor):
         """The loss of `episodes` from one forward of the `rows` that serve them (scoring.py); `piece` holds
         their [B, T] tensors from position 1, and the log-probs and entropies of their trained tokens."""
         lp, entropy, width, anchor = self._score(t, plan, rows, episodes)
-        piece = {k: t[k][episodes, 1 : width + 1].to(self.device) for k in ("mask", "behaviour", "ages", "ref") if k in t}
+        keys = ("mask", "behaviour", "ages", "ref", "advantages")
+        piece = {k: t[k][episodes, 1 : width + 1].to(self.device) for k in keys if k in t}
         piece["mask"] = piece["mask"] * weight
-        piece["advantages"] = t["advantages"][episodes].to(self.device)
         loss, metrics = self.loss_fn(lp, piece, entropy, denominator)
         return loss + anchor, metrics
 
