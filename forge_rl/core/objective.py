@@ -20,13 +20,10 @@ def episode_advantages(batch: list[Episode], config: GRPOConfig) -> torch.Tensor
     """[len(batch)] advantages, compared within each group (group_id); a chat-agent rollout sealed into
     several episodes (same rollout_id) counts once in its group, and each of its episodes gets its advantage."""
     advantages = torch.zeros(len(batch))
-    by_group = defaultdict(list)
-    for i, e in enumerate(batch):
-        by_group[e.group_id].append(i)
-    for rows in by_group.values():
+    for rows in _rows_by_group(batch):
         rewards = torch.tensor([float(batch[i].reward) for i in rows])
-        rollouts = {}  # "" is an episode of its own
-        index = torch.tensor([rollouts.setdefault(batch[i].rollout_id or -i - 1, len(rollouts)) for i in rows])
+        rollouts = {}
+        index = torch.tensor([rollouts.setdefault(_rollout(batch, i), len(rollouts)) for i in rows])
         advantages[rows] = rollout_advantages(rewards, index, config.normalize_std, config.normalize_mean)
     return advantages
 
@@ -53,22 +50,19 @@ def turn_advantages(batch: list[Episode], config: GRPOConfig) -> list[torch.Tens
     The reward compared is the episode's, the return from every turn when, as in these apps, it comes at
     the end. A state one game alone reached has nothing to compare with: only its episode advantage."""
     base = episode_advantages(batch, config)
-    by_group = defaultdict(list)
-    for i, e in enumerate(batch):
-        by_group[e.group_id].append(i)
     per_token = [torch.full((len(e.tokens),), float(base[i])) for i, e in enumerate(batch)]
-    for rows in by_group.values():
-        visits = defaultdict(dict)  # conversation before an answer -> {rollout: reward}
-        turns = {i: answer_turns(batch[i]) for i in rows}
+    for rows in _rows_by_group(batch):
+        # each answer's span and the conversation before it (its state)
+        turns = {i: [(start, end, _context(batch[i], start)) for start, end in answer_turns(batch[i])] for i in rows}
+        visits = defaultdict(dict)  # state -> {rollout: reward}
         for i in rows:
-            for start, _ in turns[i]:
-                visits[_context(batch[i], start)][batch[i].rollout_id or -i - 1] = float(batch[i].reward)
+            for _, _, state in turns[i]:
+                visits[state][_rollout(batch, i)] = float(batch[i].reward)
         for i in rows:
-            for start, end in turns[i]:
-                seen = visits[_context(batch[i], start)]
-                rollouts = list(seen)
+            for start, end, state in turns[i]:
+                seen = visits[state]
                 step = group_advantages(torch.tensor(list(seen.values())), config.normalize_std)
-                per_token[i][start:end] += config.turn_credit * step[rollouts.index(batch[i].rollout_id or -i - 1)]
+                per_token[i][start:end] += config.turn_credit * step[list(seen).index(_rollout(batch, i))]
     return per_token
 
 
@@ -78,18 +72,31 @@ def centre_per_answer(batch: list[Episode], per_token: list[torch.Tensor]) -> li
     the answer better on average (BlackJack's stand, while the rest of the hand is played at random) cannot
     drive every state at once to it before the state-dependent part is learnt. Biased on purpose (an action-
     dependent baseline without its correction): an answer best everywhere is never learnt to be."""
+    trained = [[(p, int(e.tokens[p])) for p in torch.nonzero(torch.as_tensor(e.loss_mask)).flatten().tolist()] for e in batch]
     sums, counts = defaultdict(float), defaultdict(int)
-    for e, a in zip(batch, per_token):
-        for p in torch.nonzero(torch.as_tensor(e.loss_mask)).flatten().tolist():
-            sums[int(e.tokens[p])] += float(a[p])
-            counts[int(e.tokens[p])] += 1
+    for positions, a in zip(trained, per_token):
+        for p, token in positions:
+            sums[token] += float(a[p])
+            counts[token] += 1
     out = []
-    for e, a in zip(batch, per_token):
+    for positions, a in zip(trained, per_token):
         a = a.clone()
-        for p in torch.nonzero(torch.as_tensor(e.loss_mask)).flatten().tolist():
-            a[p] -= sums[int(e.tokens[p])] / counts[int(e.tokens[p])]
+        for p, token in positions:
+            a[p] -= sums[token] / counts[token]
         out.append(a)
     return out
+
+
+def _rows_by_group(batch: list[Episode]) -> list[list[int]]:
+    by_group = defaultdict(list)
+    for i, e in enumerate(batch):
+        by_group[e.group_id].append(i)
+    return list(by_group.values())
+
+
+def _rollout(batch: list[Episode], i: int) -> str | int:
+    """Episode i's rollout: its rollout_id, or (rollout_id "") a rollout of its own."""
+    return batch[i].rollout_id or -i - 1
 
 
 def _context(episode: Episode, start: int) -> bytes:
