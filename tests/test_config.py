@@ -77,6 +77,7 @@ def write(tmp_path, text):
         (["grpo.normalize_std=true", "grpo.normalize_mean=true"], r"grpo\.normalize_mean: divides by the group's mean instead"),
         (["grpo.self_imitation.episodes=-1"], r"grpo\.self_imitation\.episodes: expected >= 0"),
         (["grpo.self_imitation.capacity=0"], r"grpo\.self_imitation\.capacity: expected > 0"),
+        (["grpo.centre_per_answer=true", "sampling.constrained=false"], r"grpo\.centre_per_answer: centres each answer token, so it needs sampling\.constrained true"),
         (["grpo.entropy_floor=1.0", "grpo.entropy_coef=0"], r"grpo\.entropy_floor: 1\.0 holds the entropy up with the bonus, but entropy_coef is 0"),
     ],
 )

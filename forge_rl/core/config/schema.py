@@ -339,6 +339,9 @@ class RunConfig:
                 raise ConfigError(f"{role}.hosts: {hosts}, but cluster.workers lists {len(self.cluster.workers)}")
         for role, section in (("generator", self.generator), ("reference", self.reference)):
             _replicas_fill_hosts(role, section.num_replicas, section.hosts)
+        if self.grpo.centre_per_answer and not self.sampling.constrained:
+            # centring pools trained tokens by id: with free text that is every word, not the answers
+            raise ConfigError("grpo.centre_per_answer: centres each answer token, so it needs sampling.constrained true")
 
 
 def _replicas_fill_hosts(role: str, replicas: int, hosts: int) -> None:
