@@ -6,6 +6,7 @@ transformers' Qwen3 on the same files, an implementation independent of vLLM's.
 
 import asyncio
 import math
+import os
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from forge_rl.weights import control
 from forge_rl.runtime.actor import stop
 from forge_rl.core.config import GeneratorConfig
-from forge_rl.engines.vllm.generator import Generator, WeightGate
+from forge_rl.engines.vllm.generator import Generator, WeightGate, cpu_environment
 from forge_rl.weights.store import write_weights_file
 from forge_rl.models.tiny import build_tiny_model
 
@@ -346,3 +347,10 @@ def test_a_later_turn_reuses_the_earlier_turns_kv(g):
     turn = generate(g, first, max_tokens=2, temperature=1.0, ignore_eos=True, seed=3)[0]
     later = generate(g, first + turn.token_ids + g.prompt[1:8], max_tokens=1, temperature=1.0, seed=4)[0]
     assert later.cached_prompt_tokens >= 64, later.cached_prompt_tokens
+
+
+
+def test_the_engine_computes_on_every_core_this_process_may_use():
+    """vLLM's automatic CPU binding keeps a core for its scheduler: on a 2-core host the model got one."""
+    cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    assert cpu_environment(1)["VLLM_CPU_OMP_THREADS_BIND"] == cores

@@ -192,10 +192,8 @@ class Generator(ForgeActor):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if current_platform.is_cpu():
-            for name, value in KEEP_FREED_MEMORY.items():
+            for name, value in cpu_environment(self.config.procs).items():
                 os.environ.setdefault(name, value)  # for the engine processes vLLM spawns next
-            if self.config.procs > 1:  # vLLM's automatic binding wants a NUMA node per rank
-                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(self.config.procs))
         self.engine = AsyncLLM.from_engine_args(engine_args(self.model_path, self.dtype, self.config, self.seed))
         await self.engine.update_weight_version(str(self.policy_version))
 
@@ -347,6 +345,13 @@ class Generator(ForgeActor):
             engine, self.engine = self.engine, None
             await asyncio.to_thread(engine.shutdown, 1.0)
         shm.remove_orphaned_buffers()  # a trainer killed with -9 cannot unlink its own
+
+
+def cpu_environment(ranks: int) -> dict[str, str]:
+    """The environment vLLM's CPU engine processes start with. Threads bound explicitly: vLLM's automatic
+    binding wants a NUMA node per rank and keeps a core of each for its scheduler process, which on a 2-core
+    host left the model one core."""
+    return {**KEEP_FREED_MEMORY, "VLLM_CPU_OMP_THREADS_BIND": cpu_binding(ranks)}
 
 
 def cpu_binding(ranks: int) -> str:
