@@ -31,7 +31,7 @@ from monarch.actor import concurrent_endpoint, endpoint
 from forge_rl import weights
 from forge_rl.core.config import GeneratorConfig
 from forge_rl.core.types import Completion
-from forge_rl.engines.vllm.worker import KEEP_FREED_MEMORY
+from forge_rl.engines.vllm.worker import cpu_environment
 from forge_rl.runtime.actor import ForgeActor
 from forge_rl.runtime.service import ReplicaDead
 from forge_rl.weights import control, shm
@@ -345,21 +345,6 @@ class Generator(ForgeActor):
             engine, self.engine = self.engine, None
             await asyncio.to_thread(engine.shutdown, 1.0)
         shm.remove_orphaned_buffers()  # a trainer killed with -9 cannot unlink its own
-
-
-def cpu_environment(ranks: int) -> dict[str, str]:
-    """The environment vLLM's CPU engine processes start with. Threads bound explicitly: vLLM's automatic
-    binding wants a NUMA node per rank and keeps a core of each for its scheduler process, which on a 2-core
-    host left the model one core."""
-    return {**KEEP_FREED_MEMORY, "VLLM_CPU_OMP_THREADS_BIND": cpu_binding(ranks)}
-
-
-def cpu_binding(ranks: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `ranks` tensor-parallel workers: this process's cores in groups ("0,1|2,3")."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < ranks:
-        raise ValueError(f"generator.procs={ranks} tensor-parallel ranks need a core each; this process may use {len(cores)}")
-    return "|".join(",".join(map(str, cores[i * len(cores) // ranks : (i + 1) * len(cores) // ranks])) for i in range(ranks))
 
 
 def token_versions(spans, num_tokens: int, default: int) -> list[int]:

@@ -283,6 +283,21 @@ class WeightSyncExtension:
 KEEP_FREED_MEMORY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 
 
+def cpu_environment(ranks: int) -> dict[str, str]:
+    """The environment vLLM's CPU engine processes start with. Threads bound explicitly: vLLM's automatic
+    binding wants a NUMA node per rank and keeps a core of each for its scheduler process, which on a 2-core
+    host left the model one core."""
+    return {**KEEP_FREED_MEMORY, "VLLM_CPU_OMP_THREADS_BIND": cpu_binding(ranks)}
+
+
+def cpu_binding(ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` tensor-parallel workers: this process's cores in groups ("0,1|2,3")."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise ValueError(f"generator.procs={ranks} tensor-parallel ranks need a core each; this process may use {len(cores)}")
+    return "|".join(",".join(map(str, cores[i * len(cores) // ranks : (i + 1) * len(cores) // ranks])) for i in range(ranks))
+
+
 # The background repacking's nice value: the engine's forwards and the RPCs finishing an update (in this
 # worker, its engine core, the Generator) run first; a busy machine stretches the repacking, not the swap.
 REPACK_NICE = 5
