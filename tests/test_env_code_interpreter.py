@@ -10,11 +10,12 @@ import os
 import time
 import urllib.request
 
+import psutil
 import pytest
 
 from apps.code_agent.agent import TASKS, submission
 from apps.coder.isolation import detect_isolation
-from apps.coder.sandbox import _HARNESS
+from apps.coder.sandbox import _HARNESS, uid_pool
 from forge_rl.envs.local import launch_local
 from forge_rl.rollout.env_client import EnvError, EnvSession
 from tests.test_env_code_task import HOSTILE as HOSTILE_SUBMISSIONS
@@ -56,15 +57,19 @@ def assert_healthy(server):
     obs = execute(server, "print(6 * 7)")
     assert obs["stdout"] == "42\n" and obs["exit_code"] == 0 and not obs["timed_out"]
     deadline = time.monotonic() + 2  # SIGKILLed processes may take a moment to be reaped
-    while sandbox_processes() and time.monotonic() < deadline:
+    while sandbox_processes(server) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not sandbox_processes(), sandbox_processes()
+    assert not sandbox_processes(server), sandbox_processes(server)
 
 
-def sandbox_processes():
-    """Live (non-zombie) processes of sandboxed programs: there must be none between runs. Found by the
-    uid (a root server gives each run its own, >= 2e9) or, whatever the uid, by the harness in their
-    command line, which their forked children (daemons included) keep."""
+def sandbox_processes(server):
+    """Live (non-zombie) processes of the server's sandboxed programs: there must be none between runs.
+    Found by the uid (a root server gives each run one of its pool, >= 2e9) or, whatever the uid, by the
+    harness in their command line, which their forked children (daemons included) keep, among the server's
+    descendants (a non-root server runs each program in its own PID namespace, which ends with it). Only
+    this server's: other tests' servers may run programs meanwhile."""
+    pool = uid_pool(server.proc.pid)
+    family = {str(p.pid) for p in psutil.Process(server.proc.pid).children(recursive=True)}
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -74,7 +79,7 @@ def sandbox_processes():
             continue
         uid = int(status.split("Uid:")[1].split()[0])
         state = status.split("State:")[1].split()[0]
-        if (uid >= 2_000_000_000 or _HARNESS in cmdline) and state != "Z":
+        if (uid in pool or (_HARNESS in cmdline and pid in family)) and state != "Z":
             found.append((pid, uid, state))
     return found
 
@@ -87,7 +92,7 @@ def test_the_leftover_check_sees_a_running_program(server):
             running = asyncio.create_task(session.step({"code": "import time\ntime.sleep(1.5)", "tests": []}))
             seen = []
             while not running.done():
-                seen.append(bool(sandbox_processes()))
+                seen.append(bool(sandbox_processes(server)))
                 await asyncio.sleep(0.1)
             await running
             return seen

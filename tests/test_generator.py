@@ -315,17 +315,22 @@ def test_weight_gate_reopens_when_a_waiting_swap_is_cancelled():
     assert asyncio.run(main()) == ["request", "swap"]
 
 
-def test_write_weights_file_leaves_no_file_when_the_save_fails():
-    def ours():
-        return {p for folder in ("/dev/shm", tempfile.gettempdir()) for p in Path(folder).glob("forge_rl_weights_*")}
+def test_write_weights_file_leaves_no_file_when_the_save_fails(monkeypatch):
+    made = []  # the files this test's calls create (other tests' runs may write theirs meanwhile)
+    mkstemp = tempfile.mkstemp
 
-    before = ours()
+    def recorded(**kwargs):
+        fd, name = mkstemp(**kwargs)
+        made.append(name)
+        return fd, name
+
+    monkeypatch.setattr(tempfile, "mkstemp", recorded)
     shared = torch.zeros(4)
     with pytest.raises(RuntimeError):  # safetensors refuses tensors that share memory
         write_weights_file({"a": shared, "b": shared})
-    assert ours() == before
+    assert len(made) == 1 and not os.path.exists(made[0])
     path = write_weights_file({"a": shared})
-    assert path in ours()
+    assert str(path) == made[1] and path.name.startswith("forge_rl_weights_") and path.is_file()
     path.unlink()
 
 

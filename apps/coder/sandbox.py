@@ -59,6 +59,13 @@ _UID_POOL_SIZE = 256
 _UID_BASE = 2_000_000_000
 
 
+def uid_pool(pid: int) -> range:
+    """The uids a root server with this pid gives its runs: far above any login or subuid range (those start
+    at 1000 and 100000), spread by pid so two servers on one host do not share, and sweep, each other's."""
+    base = _UID_BASE + (pid % 4096) * _UID_POOL_SIZE
+    return range(base, base + _UID_POOL_SIZE)
+
+
 @dataclass
 class Limits:
     """Per-run limits. cpu_s defaults to the wall-clock timeout rounded up, plus one."""
@@ -141,11 +148,8 @@ class Sandbox:
         if not os.path.exists(self._kill[0]):  # slim images: do it with the interpreter instead
             self._kill = [self.python, "-c", "import os; os.kill(-1, 9)"]
         self._as_root = os.geteuid() == 0
-        # Uids far above any login or subuid range (those start at 1000 and 100000), spread by pid
-        # so two servers on one host do not share, and sweep, each other's.
-        base = _UID_BASE + (os.getpid() % 4096) * _UID_POOL_SIZE
         self._uids: queue.Queue[int] = queue.Queue()
-        for uid in range(base, base + _UID_POOL_SIZE):
+        for uid in uid_pool(os.getpid()):
             self._uids.put(uid)
         self._unshare = own_pid_namespace(self.python) if self.isolation == "rlimits" and not self._as_root else []
         self._check()
