@@ -16,8 +16,11 @@ $(VENV)/.installed: pyproject.toml scripts/install.sh
 train: install  ## the main job: GRPO on BlackJack with CONFIG (+ ARGS="key=value ...")
 	$(PYTHON) -m forge_rl.grpo --config $(CONFIG) $(ARGS)
 
+# Tests run two at a time: one at a time left a core idle (the suite used one core on average), 2 keep both busy.
+TEST_WORKERS ?= 2
+
 test: install  ## the suite (real Monarch, vLLM, TorchStore, OpenEnv servers on 127.0.0.1), long tests aside
-	$(PYTHON) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 test-slow: install  ## the long end-to-end tests: several engines, two hosts, the 135M model
 	$(PYTHON) -m pytest -q -m slow $(PYTEST_ARGS)

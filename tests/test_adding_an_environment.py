@@ -101,19 +101,24 @@ def test_the_server_serves_reset_args_and_reproducible_games(my_envs):
     assert twice[0] == twice[1]
 
 
-def test_check_then_train_a_few_steps_on_the_tiny_model(my_envs, tmp_path):
-    """The page's two commands, the run shortened to 3 steps with an evaluation at its end, 2 guesses a game
-    and cut-off games scored -3 (the page's -1 would equal a loss and prove nothing), W&B logging offline."""
+def test_the_pages_check_command_passes(my_envs):
+    """The page's first command: the config, the app module and the environment class are checked."""
     check, train = guide_commands("forge_rl.config"), guide_commands("forge_rl.grpo")
     assert check == [["-m", "forge_rl.config", "--config", "guess_number.yaml"]] and train == [["-m", "forge_rl.grpo", "--config", "guess_number.yaml"]]
     out = subprocess.run([sys.executable, *check[0]], cwd=my_envs, env=environment(my_envs), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "guess_number.task" in out.stdout, out.stderr[-2000:]
 
+
+@pytest.mark.slow  # a whole run (1.5 minutes here, more in CI; the suite keeps under 20): make test-slow runs it
+def test_the_pages_run_trains_a_few_steps_on_the_tiny_model(my_envs, tmp_path):
+    """The page's second command, the run shortened to 3 steps with an evaluation at its end, 2 guesses a game
+    and cut-off games scored -3 (the page's -1 would equal a loss and prove nothing), W&B logging offline."""
+    (train,) = guide_commands("forge_rl.grpo")
     run_dir = tmp_path / "run"
     short = [f"run_dir={run_dir}", "trainer.max_steps=3", "grpo.batch_size=4", "eval.interval=3", "eval.num_games=32",
              "rollout.max_turns=2", "rollout.cutoff_reward=-3", "logging.wandb_project=guide"]
     env = environment(my_envs, WANDB_MODE="offline", WANDB_SILENT="true")
-    out = subprocess.run([sys.executable, *train[0], *short], cwd=my_envs, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, *train, *short], cwd=my_envs, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
     rows = read_metrics(run_dir)
