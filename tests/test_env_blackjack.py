@@ -9,6 +9,7 @@ import pyspiel
 import pytest
 
 from forge_rl.rollout.env_client import EnvCapacityError, EnvError, EnvSession
+from apps.blackjack.env import BlackJackAction, BlackJackEnvironment
 from forge_rl.envs.local import launch_local
 
 MAX_SESSIONS = 4
@@ -145,44 +146,62 @@ def test_returns_match_openspiel_and_the_reference_ev(server, name, ev):
     assert abs(mean - ev) < 0.04, mean  # 3.3 standard errors; always stand and mimic are 0.1 apart
 
 
-def exact_expected_return(player_cards, player_total, dealer_card):
-    """By the rules alone (dealer hits 16 or less, stands on every 17), over the cards the player did not see."""
-    value = {"A": 1, "J": 10, "Q": 10, "K": 10}
-    left = {v: 4 for v in range(1, 10)} | {10: 16}
-    for card in [*player_cards, dealer_card]:
-        left[value.get(card[:-1]) or int(card[:-1])] -= 1
+def replayed_expected_return(seed, actions):
+    """The hand (seed, the player's actions) replayed in OpenSpiel with each possible hole card, the dealer's
+    turn then averaged over OpenSpiel's own chance outcomes (grouped by card value: suits never matter)."""
+    env = BlackJackEnvironment()
+    env.reset(seed=seed)
+    for action in actions:
+        env.step(BlackJackAction(action=action))
+    final = env._spiel
+    if final.get_best_player_total(0) > 21:
+        return -1.0
 
-    def dealer(hard, ace):
-        best = hard + 10 if ace and hard + 10 <= 21 else hard
-        if best > 21:
-            return 1.0
-        if best >= 17:
-            return float((player_total > best) - (player_total < best))
-        cards, total = sum(left.values()), 0.0
-        for v, n in list(left.items()):
-            if n:
-                left[v] -= 1
-                total += n / cards * dealer(hard + v, ace or v == 1)
-                left[v] += 1
-        return total
+    def value(s, card):
+        rank = s.action_to_string(pyspiel.PlayerId.CHANCE, card)[1:]
+        return {"A": 1, "T": 10, "J": 10, "Q": 10, "K": 10}.get(rank) or int(rank)
 
-    up = value.get(dealer_card[:-1]) or int(dealer_card[:-1])
-    return -1.0 if player_total > 21 else dealer(up, up == 1)
+    def by_value(s, outcomes):
+        groups = {}
+        for card, p in outcomes:
+            first, total = groups.get(value(s, card), (card, 0.0))
+            groups[value(s, card)] = (first, total + p)
+        return list(groups.values())
+
+    def dealer_turn(s):
+        if s.is_terminal():
+            return float(s.returns()[0])
+        return sum(p * dealer_turn(s.child(card)) for card, p in by_value(s, s.chance_outcomes()))
+
+    seen = set(final.cards(0)) | {final.dealers_visible_card()}
+    hole_at = final.history().index(final.cards(final.dealer_id())[0])  # the dealer's first card is the hole card
+    unseen = [(card, 1.0 / (52 - len(seen))) for card in range(52) if card not in seen]
+    expected = 0.0
+    for hole, p in by_value(final, unseen):
+        s = final.get_game().new_initial_state()
+        for i, action in enumerate(final.history()):
+            if s.is_terminal() or (s.is_chance_node() and len(s.cards(0)) == len(final.cards(0)) and len(s.cards(s.dealer_id())) >= 2):
+                break  # the player's turn is over: what follows is the dealer's
+            s.apply_action(hole if i == hole_at else action)
+        expected += p * dealer_turn(s)
+    return expected
 
 
 def test_expected_reward_averages_out_only_what_the_player_never_saw(server):
-    """reward="expected": the return over the dealer's hole card and draws, exactly (against a separate
-    computation from the rules alone); the default stays the hand's +1 / 0 / -1; a wrong name is refused."""
+    """reward="expected": the return over the dealer's hole card and draws, exactly (the server's arithmetic
+    against OpenSpiel replaying every hole card and draw); the default stays the hand's +1 / 0 / -1; a wrong
+    name is refused."""
 
     async def go():
         async with EnvSession(server.url) as session:
             checked = 0
             for seed in range(30):
                 for hit_below in (12, 17):
-                    obs = (await session.reset(seed=seed, reward="expected")).observation
+                    obs, actions = (await session.reset(seed=seed, reward="expected")).observation, []
                     while not obs["done"]:
-                        obs = (await session.step({"action": "HIT" if obs["player_total"] < hit_below else "STAND"})).observation
-                    want = exact_expected_return(obs["player_cards"], obs["player_total"], obs["dealer_card"])
+                        actions.append("HIT" if obs["player_total"] < hit_below else "STAND")
+                        obs = (await session.step({"action": actions[-1]})).observation
+                    want = replayed_expected_return(seed, actions)
                     assert obs["reward"] == pytest.approx(want, abs=1e-9), (seed, obs)
                     checked += want not in (-1.0, 0.0, 1.0)
             assert checked > 30

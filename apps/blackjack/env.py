@@ -16,7 +16,7 @@ actions.
 
 Training reward (reset argument `reward`): "outcome" (default), the hand's +1 / 0 / -1; or "expected",
 the hand's expected return given what the player saw (its cards and the dealer's visible card), the
-dealer's hole card and draws averaged out exactly over OpenSpiel's own chance outcomes. Its mean over
+dealer's hole card and draws averaged out exactly by OpenSpiel's rules (`expected_return`). Its mean over
 deals is the same EV and a policy gradient built on it is the same in expectation (the player's decisions
 never see the hole card), with the dealer's luck removed: the variance that drowns a small model's
 hand-dependent signal (docs/real_models.md). Evaluations keep "outcome" (eval.reset_args).
@@ -30,6 +30,7 @@ the app decides what an invalid answer costs.
 
 from __future__ import annotations
 
+import functools
 import random
 import secrets
 from typing import Any, Optional
@@ -177,43 +178,33 @@ def _value(state: pyspiel.State, card: int) -> int:
 
 
 def expected_return(final: pyspiel.State) -> float:
-    """The player's expected return over what it never saw: replay the hand with each possible hole card
-    (every card not in the player's hand and not the dealer's visible one) and, from where the player's
-    turn ended, average OpenSpiel's returns over its chance outcomes. Cards of one value are one branch
-    (suits never matter), and dealer hands holding the same values share one result."""
-    if final.get_best_player_total(0) > 21:
+    """The player's expected return over what it never saw: the dealer's hole card and draws, dealt without
+    replacement from the cards not in the player's hand and not the dealer's visible one, by OpenSpiel's
+    rules (the dealer hits 16 or less; a player bust loses). Plain arithmetic on card values (suits never
+    matter): OpenSpiel replays of every outcome cost ~100x more CPU, taken from the model on a small host
+    (tests/test_env_blackjack.py checks this against such a replay)."""
+    player = final.get_best_player_total(0)
+    if player > 21:
         return -1.0
-    seen = set(final.cards(0)) | {final.dealers_visible_card()}
-    hole_at = final.history().index(final.cards(final.dealer_id())[0])  # the dealer's first card is the hole card
-    memo: dict[tuple[int, ...], float] = {}
-
-    def dealer_turn(s: pyspiel.State) -> float:
-        if s.is_terminal():
-            return float(s.returns()[0])
-        key = tuple(sorted(_value(s, c) for c in s.cards(s.dealer_id())))
-        if key not in memo:
-            memo[key] = sum(p * dealer_turn(s.child(card)) for card, p in _by_value(s, s.chance_outcomes()))
-        return memo[key]
-
-    unseen = [(card, 1.0 / (52 - len(seen))) for card in range(52) if card not in seen]
-    expected = 0.0
-    for hole, p in _by_value(final, unseen):
-        s = final.get_game().new_initial_state()
-        for i, action in enumerate(final.history()):
-            if s.is_terminal() or (s.is_chance_node() and len(s.cards(0)) == len(final.cards(0)) and len(s.cards(s.dealer_id())) >= 2):
-                break  # the player's turn is over: what follows is the dealer's
-            s.apply_action(hole if i == hole_at else action)
-        expected += p * dealer_turn(s)
-    return expected
+    left = [0, 4, 4, 4, 4, 4, 4, 4, 4, 4, 16]  # cards of each value 1-10 in a full deck (index 0 unused)
+    for card in [*final.cards(0), final.dealers_visible_card()]:
+        left[_value(final, card)] -= 1
+    up = _value(final, final.dealers_visible_card())
+    return _dealer_outcome(player, up, up == 1, tuple(left))
 
 
-def _by_value(state: pyspiel.State, outcomes) -> list[tuple[int, float]]:
-    """(card, probability) grouped by card value: one card of each value, carrying the value's probability."""
-    groups: dict[int, tuple[int, float]] = {}
-    for card, p in outcomes:
-        first, total = groups.get(_value(state, card), (card, 0.0))
-        groups[_value(state, card)] = (first, total + p)
-    return list(groups.values())
+@functools.lru_cache(maxsize=1 << 16)
+def _dealer_outcome(player: int, hard: int, ace: bool, left: tuple[int, ...]) -> float:
+    """The player's expected return against a dealer holding `hard` (aces as 1; `ace`: one of them) who draws
+    from the cards `left` (count per value) until its best total reaches 17."""
+    best = hard + 10 if ace and hard + 10 <= 21 else hard
+    if best > 21:
+        return 1.0
+    if best >= 17:
+        return float((player > best) - (player < best))
+    cards = sum(left)
+    return sum(n / cards * _dealer_outcome(player, hard + v, ace or v == 1, left[:v] + (n - 1,) + left[v + 1 :])
+               for v, n in enumerate(left) if n)
 
 
 def _render(obs: BlackJackObservation, outcome: float | None) -> str:
