@@ -17,9 +17,11 @@ back from its metrics.jsonl; the first two steps are warm-up. Printed:
         env server): resident memory with each shared page split among the processes mapping it (PSS); the
         plain sum of RSS counts the shared-memory weight buffers and mapped model files once per process
     lora_vs_full sync_bytes lora=<x> full=<y> ratio=<x/y>
-    lora_vs_full step_s lora=<x> full=<y> ratio=<x/y>      the train step alone
-    lora_vs_full step_s_per_1k_tokens lora=<x> full=<y> ratio=<x/y>   the same per token trained (the two
-        policies play differently, so their episodes differ in length)
+    lora_vs_full step_s lora=<x> full=<y> ratio=<x/y>      the train step alone, on the same batches: both runs
+        at lr 1e-30 (the optimizer steps but moves no weight), so the policy stays the base model and the seeded games are
+        the same in both (printed). At a real lr the two policies would play differently, and how many games
+        of a group share their forward (a policy that has turned greedy plays its 8 games alike) would be
+        compared instead of the two ways of training
 """
 
 from __future__ import annotations
@@ -64,16 +66,20 @@ def block_parameters() -> int:
     return layers * (2 * d * d + 2 * d * kv + 3 * d * f)
 
 
-def run(overrides: list[str], steps: int) -> tuple[list[dict], tuple[int, int]]:
-    """One run of the config; its metrics rows and the peak memory of all its processes (PSS, RSS; bytes)."""
+def run(overrides: list[str], steps: int) -> tuple[list[dict], tuple[int, int, float]]:
+    """One run of the config; its metrics rows, the peak memory of all its processes (PSS, RSS; bytes) and the
+    CPU seconds the memory sampler took."""
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, "-m", "forge_rl.grpo", "--config", str(CONFIG), f"run_dir={tmp}/run",
                    f"trainer.max_steps={steps}", "eval.interval=0", "trainer.checkpoint_every=0", *overrides]
         proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        peak = [0, 0]
+        peak, cpu = [0, 0], [0.0]
 
         def sample() -> None:
+            # Reading every process's smaps_rollup walks its page tables: kernel time on the cores the run
+            # uses, so the sampler looks every 2 s (not faster) and its own CPU time is reported.
             while proc.poll() is None:
+                start = time.thread_time()
                 pss = rss = 0
                 try:
                     for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
@@ -85,7 +91,8 @@ def run(overrides: list[str], steps: int) -> tuple[list[dict], tuple[int, int]]:
                 except psutil.Error:
                     pass
                 peak[0], peak[1] = max(peak[0], pss), max(peak[1], rss)
-                time.sleep(0.5)
+                cpu[0] += time.thread_time() - start
+                time.sleep(2.0)
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -93,7 +100,7 @@ def run(overrides: list[str], steps: int) -> tuple[list[dict], tuple[int, int]]:
         sampler.join()
         if proc.returncode != 0:
             raise SystemExit(f"forge_rl.grpo failed ({proc.returncode}): {err[-2000:]}")
-        return [r for r in read_metrics(Path(tmp) / "run") if "train/loss" in r], (peak[0], peak[1])
+        return [r for r in read_metrics(Path(tmp) / "run") if "train/loss" in r], (peak[0], peak[1], cpu[0])
 
 
 def median(rows: list[dict], key: str) -> float:
@@ -109,7 +116,6 @@ def main() -> None:
     flops = matmul_flops_per_s()
     n = block_parameters()
     lora_rows, peak = run(args.overrides, args.steps)
-    full_rows, _ = run([*args.overrides, "trainer.lora=null"], args.steps)
 
     tokens_per_s = median(lora_rows, "train/episode_tokens") / median(lora_rows, "time/train_step_s")
     floor = flops / (4 * n)
@@ -119,21 +125,23 @@ def main() -> None:
     timed = lora_rows[WARMUP:]
     wall = (timed[-1]["time"] - lora_rows[WARMUP - 1]["time"]) / len(timed)
     episodes = statistics.mean(r["train/batch_episodes"] for r in timed)
-    train, push = median(lora_rows, "time/train_step_s"), median(lora_rows, "time/push_weights_s")
-    update, generation = median(lora_rows, "time/update_weights_s"), median(lora_rows, "time/collect_s")
-    other = wall - generation - train - push - update
+    split = {k: statistics.mean(r[k] for r in timed) for k in ("time/collect_s", "time/train_step_s", "time/push_weights_s", "time/update_weights_s")}
+    generation, train = split["time/collect_s"], split["time/train_step_s"]
+    sync = split["time/push_weights_s"] + split["time/update_weights_s"]
     print(f"real_model_loop episodes_per_s ours={episodes / wall:.2f} (per step of {wall:.1f} s: generation {generation:.1f} s, "
-          f"train {train:.1f} s, weight sync {push + update:.2f} s, other {other:.2f} s)")
-    print(f"real_model_memory peak_pss_gb ours={peak[0] / 2**30:.1f} (rss_sum={peak[1] / 2**30:.1f})")
+          f"train {train:.1f} s, weight sync {sync:.2f} s, other {wall - generation - train - sync:.2f} s)")
+    print(f"real_model_memory peak_pss_gb ours={peak[0] / 2**30:.1f} (rss_sum={peak[1] / 2**30:.1f}; "
+          f"sampled every 2 s, {peak[2]:.1f} CPU s in all)")
 
+    still = [*args.overrides, "trainer.optimizer.lr=1e-30"]  # moves no weight: the optimizer steps, the policy stays
+    lora_rows, _ = run(still, args.steps)
+    full_rows, _ = run([*still, "trainer.lora=null"], args.steps)
+    same = [r["train/episode_tokens"] for r in lora_rows] == [r["train/episode_tokens"] for r in full_rows]
     lora_bytes, full_bytes = median(lora_rows, "weight_sync/bytes"), median(full_rows, "weight_sync/bytes")
     print(f"lora_vs_full sync_bytes lora={lora_bytes:.0f} full={full_bytes:.0f} ratio={lora_bytes / full_bytes:.3f}")
     lora_step, full_step = median(lora_rows, "time/train_step_s"), median(full_rows, "time/train_step_s")
-    print(f"lora_vs_full step_s lora={lora_step:.2f} full={full_step:.2f} ratio={lora_step / full_step:.2f}")
-    lora_tok = 1000 * lora_step / median(lora_rows, "train/episode_tokens")
-    full_tok = 1000 * full_step / median(full_rows, "train/episode_tokens")
-    print(f"lora_vs_full step_s_per_1k_tokens lora={lora_tok:.2f} full={full_tok:.2f} ratio={lora_tok / full_tok:.2f}")
-
+    print(f"lora_vs_full step_s lora={lora_step:.2f} full={full_step:.2f} ratio={lora_step / full_step:.2f} "
+          f"(same batches in both: {'yes' if same else 'NO, the ratio compares different work'})")
 
 if __name__ == "__main__":
     main()
