@@ -136,11 +136,12 @@ class Trainer(ForgeActor):
         mine = self._my_rows(len(batch))
         denominator = self.loss_fn.prepare(t, lambda: self._mean_entropy(t, mine))  # may narrow t["mask"]
         plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
-        total_loss, tokens = 0.0, 0.0
+        total_loss, tokens, forward_tokens = 0.0, 0.0, 0
         sums, lows, highs = defaultdict(float), {}, {}
         for rows, weight in self._micro_batches(plan.rows):
             loss, m = self._forward_loss(t, plan, rows, plan.served_by(rows, mine) if weight else [], weight, denominator)
             loss.backward()
+            forward_tokens += m.pop("forward_tokens")
             n = m.pop("num_tokens").item()
             total_loss, tokens = total_loss + loss.item(), tokens + n
             for k, v in m.items():
@@ -162,12 +163,13 @@ class Trainer(ForgeActor):
         self.optimizers.zero_grad()
         self.step += 1
 
-        sums = self._all_sum({**sums, "loss": total_loss, "num_tokens": tokens})
+        sums = self._all_sum({**sums, "loss": total_loss, "num_tokens": tokens, "forward_tokens": forward_tokens})
+        forward_tokens = sums.pop("forward_tokens")
         n = max(sums.pop("num_tokens"), 1.0)
         metrics = {"loss": sums.pop("loss"), **{k: v / n for k, v in sums.items()}}
         extremes = self._all_max({**{k: -v for k, v in lows.items()}, **highs})
         metrics.update({k: -extremes[k] if k in lows else extremes[k] for k in extremes if math.isfinite(extremes[k])})
-        metrics.update(grad_norm=grad_norm.item(), lr=lr, step=self.step, num_tokens=n)
+        metrics.update(grad_norm=grad_norm.item(), lr=lr, step=self.step, num_tokens=n, forward_tokens=forward_tokens)
         if imitation_nll is not None:
             metrics.update(imitation_nll=imitation_nll, imitation_episodes=len(imitate))
         return metrics
@@ -298,7 +300,7 @@ class Trainer(ForgeActor):
         piece = {k: t[k][episodes, 1 : width + 1].to(self.device) for k in keys if k in t}
         piece["mask"] = piece["mask"] * weight
         loss, metrics = self.loss_fn(lp, piece, entropy, denominator)
-        return loss + anchor, metrics
+        return loss + anchor, {**metrics, "forward_tokens": len(rows) * width}  # padding included
 
     def _score(self, t: dict, plan: ForwardPlan, rows: list[int], episodes: list[int]):
         """One forward of `rows`, the output head only where a trained token of `episodes` is predicted.
