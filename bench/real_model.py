@@ -11,7 +11,8 @@ back from its metrics.jsonl; the first two steps are warm-up. Printed:
         machine's fp32 matmul rate, measured here, divided by the FLOPs one token costs when every token is
         scored alone: 6 x N (forward 2N, backward 4N) with full fine-tuning, 4 x N with LoRA (no weight gradients
         but the adapters'), N the parameters of the transformer blocks (the head runs only where a token is
-        trained). A ratio above 1 is work not done: a group's games share their prompt's forward.
+        trained). A ratio above 1 is work not done: a group's games share their prompt's forward (the tokens
+        actually run through the model are printed beside it).
     real_model_loop episodes_per_s ours=<x> (per step: generation g s, train t s, weight sync w s, other o s)
     real_model_memory peak_pss_gb ours=<x> (rss_sum=<y>)   every process of the run (controller, actors, vLLM,
         env server): resident memory with each shared page split among the processes mapping it (PSS); the
@@ -120,7 +121,9 @@ def main() -> None:
     tokens_per_s = median(lora_rows, "train/episode_tokens") / median(lora_rows, "time/train_step_s")
     floor = flops / (4 * n)
     print(f"matmul {flops / 1e9:.1f} GFLOP/s; {n / 1e6:.1f}M parameters in the blocks; LoRA costs 4N = {4 * n / 1e9:.2f} GFLOP a token")
-    print(f"real_model_train tokens_per_s ours={tokens_per_s:.1f} floor={floor:.1f} ratio={tokens_per_s / floor:.2f}")
+    print(f"real_model_train tokens_per_s ours={tokens_per_s:.1f} floor={floor:.1f} ratio={tokens_per_s / floor:.2f} "
+          f"(run through the model: {median(lora_rows, 'train/forward_tokens'):.0f} tokens a step, padding included, "
+          f"for {median(lora_rows, 'train/episode_tokens'):.0f} episode tokens)")
 
     timed = lora_rows[WARMUP:]
     wall = (timed[-1]["time"] - lora_rows[WARMUP - 1]["time"]) / len(timed)
