@@ -44,7 +44,7 @@ def play(model_dir: str, app_name: str, games: int, seed: int = 0, template_kwar
                                                 **(template_kwargs or {}))["input_ids"]
             with torch.no_grad():
                 if constrained:
-                    logits = model(ids).logits[0, -1]
+                    logits = model(ids, logits_to_keep=1).logits[0, -1]  # the head at the last position only
                     answer = actions[int(torch.stack([logits[i[0]] for i in action_ids]).argmax())]
                 else:
                     out = model.generate(ids, max_new_tokens=12, do_sample=False)
