@@ -19,10 +19,10 @@ back from its metrics.jsonl; the first two steps are warm-up. Printed:
         plain sum of RSS counts the shared-memory weight buffers and mapped model files once per process
     lora_vs_full sync_bytes lora=<x> full=<y> ratio=<x/y>
     lora_vs_full step_s lora=<x> full=<y> ratio=<x/y>      the train step alone, on the same batches: both runs
-        at lr 1e-30 (the optimizer steps but moves no weight), so the policy stays the base model and the seeded games are
-        the same in both (printed). At a real lr the two policies would play differently, and how many games
-        of a group share their forward (a policy that has turned greedy plays its 8 games alike) would be
-        compared instead of the two ways of training
+        at lr 1e-30 (the optimizer steps but moves no weight), so the policy stays the base model and the
+        seeded games are the same in both (printed). At a real lr the two policies would play differently,
+        and how many games of a group share their forward (a policy that has turned greedy plays its 8 games
+        alike) would be compared instead of the two ways of training
 """
 
 from __future__ import annotations
@@ -145,6 +145,7 @@ def main() -> None:
     lora_step, full_step = median(lora_rows, "time/train_step_s"), median(full_rows, "time/train_step_s")
     print(f"lora_vs_full step_s lora={lora_step:.2f} full={full_step:.2f} ratio={lora_step / full_step:.2f} "
           f"(same batches in both: {'yes' if same else 'NO, the ratio compares different work'})")
+
 
 if __name__ == "__main__":
     main()

@@ -186,10 +186,10 @@ def expected_return(final: pyspiel.State) -> float:
     player = final.get_best_player_total(0)
     if player > 21:
         return -1.0
-    left = [0, 4, 4, 4, 4, 4, 4, 4, 4, 4, 16]  # cards of each value 1-10 in a full deck (index 0 unused)
-    for card in [*final.cards(0), final.dealers_visible_card()]:
-        left[_value(final, card)] -= 1
     up = _value(final, final.dealers_visible_card())
+    left = [0, 4, 4, 4, 4, 4, 4, 4, 4, 4, 16]  # cards of each value 1-10 in a full deck (index 0 unused)
+    for value in [*(_value(final, card) for card in final.cards(0)), up]:
+        left[value] -= 1
     return _dealer_outcome(player, up, up == 1, tuple(left))
 
 
