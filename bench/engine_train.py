@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from forge_rl.runtime.actor import stop  # noqa: E402
 from forge_rl.core.config import GRPOConfig, OptimizerConfig  # noqa: E402
 from forge_rl.core.objective import GRPOLoss  # noqa: E402
-from forge_rl.core.loss import group_advantages, grpo_loss, token_entropy  # noqa: E402
+from forge_rl.core.estimators import estimate  # noqa: E402
+from forge_rl.core.loss import grpo_loss, token_entropy  # noqa: E402
 from forge_rl.models import resolve_model  # noqa: E402
 from forge_rl.models.tiny import build_tiny_model  # noqa: E402
 from forge_rl.engines.titan.model import build_model, pad_right, sequence_logprobs  # noqa: E402
@@ -61,8 +62,7 @@ class Baseline:
         self.tokens = pad_right([e.tokens for e in batch], length)
         self.mask = pad_right([e.loss_mask for e in batch], length)
         self.behaviour = pad_right([e.behaviour_logprobs for e in batch], length)
-        rewards = torch.tensor([e.reward for e in batch]).view(-1, GROUP_SIZE)  # [groups, G]
-        self.advantages = torch.cat([group_advantages(r) for r in rewards])
+        self.advantages = pad_right(estimate(batch, GRPOConfig(estimator="grpo")), length)  # [B, T] per token
         self.denominator = self.mask[:, 1:].sum().item()
         self.micro_batches = torch.split(torch.arange(len(batch)), micro_batch_size)
 
@@ -72,7 +72,7 @@ class Baseline:
             loss, _ = grpo_loss(
                 lp[:, 1:],
                 self.behaviour[rows, 1:],
-                self.advantages[rows],
+                self.advantages[rows, 1:],
                 self.mask[rows, 1:],
                 GRPOConfig(),
                 entropy=token_entropy(logits),

@@ -36,7 +36,8 @@ from apps.blackjack.env import BlackJackAction, BlackJackEnvironment  # noqa: E4
 from forge_rl.core.app import load_app  # noqa: E402
 from forge_rl.core.config import load_config  # noqa: E402
 from forge_rl.core.episode import EpisodeRecord  # noqa: E402
-from forge_rl.core.loss import group_advantages, grpo_loss, token_entropy  # noqa: E402
+from forge_rl.core.estimators import estimate  # noqa: E402
+from forge_rl.core.loss import grpo_loss, token_entropy  # noqa: E402
 from forge_rl.core.types import Completion  # noqa: E402
 from forge_rl.engines.titan.model import pad_right, sampling_logits, sampling_logprobs  # noqa: E402
 from forge_rl.envs.local import env_url  # noqa: E402
@@ -105,8 +106,7 @@ class InProcessLoop:
         tokens = pad_right([e.tokens for e in batch], length)
         mask = pad_right([e.loss_mask.float() for e in batch], length)[:, 1:]
         behaviour = pad_right([e.behaviour_logprobs for e in batch], length)[:, 1:]
-        rewards = torch.tensor([e.reward for e in batch]).view(-1, cfg.grpo.group_size)
-        advantages = torch.cat([group_advantages(r, cfg.grpo.normalize_std) for r in rewards])
+        advantages = pad_right(estimate(batch, cfg.grpo), length)[:, 1:]  # [B, T - 1] per token
         logits = self.model(tokens[:, :-1]).logits
         lp, logits = sampling_logprobs(logits, tokens[:, 1:], self.allowed, cfg.sampling.temperature)
         loss, _ = grpo_loss(lp, behaviour, advantages, mask, cfg.grpo, entropy=token_entropy(logits), denominator=mask.sum().item())

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer
 
 from forge_rl.core.config import GRPOConfig
-from forge_rl.core.objective import episode_advantages
+from forge_rl.core.estimators import estimate
 from forge_rl.core.net import free_port
 from forge_rl.core.types import Episode
 from forge_rl.models.tiny import build_tiny_model
@@ -315,7 +315,7 @@ def check_compaction(server):
         return [episode_of(s, trajectory["reward"], rollout_id) for s in trajectory["segments"]]
 
     batch = episodes(server.end(plain, 0.0), plain) + episodes({"reward": 1.0, "segments": segments}, compacted)
-    advantages = episode_advantages(batch, GRPOConfig(normalize_std=False)).tolist()
+    advantages = [float(a[0]) for a in estimate(batch, GRPOConfig(estimator="dr_grpo"))]
     assert advantages == [-0.5, 0.5, 0.5]  # rollouts [0, 1]: mean 0.5; not [-2/3, 1/3, 1/3]
 
 

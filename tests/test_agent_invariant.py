@@ -98,7 +98,7 @@ def test_every_sampled_token_reaches_the_trainer_with_its_logprob_and_version(tm
     trainer = Trainer(str(path), GRPOLoss(GRPOConfig(max_policy_age=3, entropy_coef=0.0)), micro_batch_size=1)
     asyncio.run(Trainer.setup._method(trainer))
     trainer.policy_version = last_version
-    t = trainer._tensors(episodes, torch.zeros(len(episodes)), None)
+    t = trainer._tensors(episodes, None)
     for i, e in enumerate(episodes):
         n, mask = len(e.tokens), e.loss_mask.bool()
         assert torch.equal(t["behaviour"][i, :n], e.behaviour_logprobs)

@@ -165,3 +165,12 @@ def test_the_run_makes_the_same_check_before_it_starts_anything(tmp_path):
     )
     assert out.returncode == 2 and "config error: app_module 'apps.blackjack.natural': the tiny model" in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "tiny_model").exists(), "nothing is built before the check"
+
+
+def test_clip_bounds_that_cannot_act_are_named_at_the_check(capsys):
+    """With an importance-sampling correction the PPO ratio is the trainer's own at the step (1): the clip
+    never acts, and the check says so rather than letting clip_fraction read 0 unexplained."""
+    check_run(load_config(TINY, ["grpo.is_correction.level=token"]), this_host=False)
+    assert "warning: grpo.clip_low, grpo.clip_high: no effect with grpo.is_correction on" in capsys.readouterr().err
+    check_run(load_config(TINY), this_host=False)
+    assert "warning" not in capsys.readouterr().err

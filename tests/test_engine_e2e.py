@@ -68,7 +68,7 @@ def test_grpo_steps_raise_reward_with_versioned_weights_and_invariants(tmp_path)
         hit, stand = (tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in ("HIT", "STAND"))
         allowed = [hit, stand]
         grpo = GRPOConfig(group_size=GROUP_SIZE, batch_size=GROUPS_PER_STEP, max_policy_age=0, kl_coef=0.01,
-                          entropy_coef=0.0, normalize_std=True)
+                          entropy_coef=0.0, estimator="grpo")
 
         await control.start()
         policy, trainer, reference, buffer, unrestricted = await asyncio.gather(

@@ -8,10 +8,8 @@ import torch
 from forge_rl.core.config import GRPOConfig, ISCorrectionConfig
 from forge_rl.core.loss import (
     is_weights,
-    group_advantages,
     grpo_loss,
     kl_penalty,
-    rollout_advantages,
     seq_mean,
     token_entropy,
     token_logprobs,
@@ -30,62 +28,11 @@ def close(actual, expected, atol=1e-5):
     torch.testing.assert_close(torch.as_tensor(actual).float(), torch.as_tensor(expected).float(), atol=atol, rtol=0)
 
 
-def test_rollout_advantages_count_each_rollout_once():
-    # rows 0 and 1 are two segments of one rollout (reward 1); rollouts [1, 0, 0]: mean 1/3
-    rewards, rollout = torch.tensor([1.0, 1, 0, 0]), torch.tensor([0, 0, 1, 2])
-    close(rollout_advantages(rewards, rollout, normalize_std=False), [2 / 3, 2 / 3, -1 / 3, -1 / 3])
-    # GRPO: population std of [1,0,0] is sqrt(2)/3
-    close(rollout_advantages(rewards, rollout), [math.sqrt(2), math.sqrt(2), -1 / math.sqrt(2), -1 / math.sqrt(2)], atol=1e-4)
-    # one rollout per row is group_advantages itself
-    close(rollout_advantages(rewards, torch.arange(4)), group_advantages(rewards))
-
-
-def test_group_advantages_normalized_by_the_mean():
-    # 0/1 rewards, k of G pass: each pass (G - k) / k, each failure -1 (maximum-likelihood RL)
-    close(group_advantages(torch.tensor([1.0, 0, 0, 0]), normalize_mean=True), [3.0, -1, -1, -1])
-    close(group_advantages(torch.tensor([1.0, 1, 1, 0]), normalize_mean=True), [1 / 3, 1 / 3, 1 / 3, -1])
-    # the passes of a group weigh the same in all (G - k) whatever k, where plain GRPO's weigh k (G - k) / G
-    for k in range(1, 8):
-        rewards = torch.tensor([1.0] * k + [0.0] * (8 - k))
-        close(group_advantages(rewards, normalize_mean=True)[:k].sum() / (8 - k), 1.0)
-    # no pass, or no spread: no signal, no nan
-    close(group_advantages(torch.zeros(4), normalize_mean=True), [0.0] * 4)
-    close(group_advantages(torch.tensor([0.5, 0.5]), normalize_mean=True), [0.0, 0.0])
-    rewards, rollout = torch.tensor([1.0, 1, 0, 0]), torch.tensor([0, 0, 1, 2])
-    close(rollout_advantages(rewards, rollout, normalize_std=False, normalize_mean=True), [2.0, 2.0, -1.0, -1.0])
-
-
-def test_group_advantages_normalized_by_the_mean_stay_bounded_for_signed_rewards():
-    # [1, 0, 0, -0.9] (a pass, two fails, an invalid answer's penalty): mean 0.025, so dividing by it gave
-    # the pass 0.975 / 0.025 = 39. Divided by the mean absolute reward 0.475: [2.0526, -0.0526, -0.0526, -1.9474].
-    advantages = group_advantages(torch.tensor([1.0, 0, 0, -0.9]), normalize_mean=True)
-    close(advantages, [0.975 / 0.475, -0.025 / 0.475, -0.025 / 0.475, -0.925 / 0.475])
-    # whatever the signs, no advantage exceeds G + 1 in size; rewards >= 0 keep the mean's reading
-    torch.manual_seed(0)
-    for _ in range(200):
-        rewards = torch.randn(8) * torch.randint(0, 2, (8,))
-        assert group_advantages(rewards, normalize_mean=True).abs().max() <= 8 + 1 + 1e-4
-    close(group_advantages(torch.tensor([0.5, 0.0, 0.0, 0.0]), normalize_mean=True), [3.0, -1, -1, -1])
-
-
-def test_group_advantages_by_hand():
-    # [1,0,0,1]: mean 0.5, centred [.5,-.5,-.5,.5], population std 0.5 -> [1,-1,-1,1]
-    close(group_advantages(torch.tensor([1.0, 0, 0, 1])), [1.0, -1, -1, 1])
-    # [3,0,0,0]: mean .75, centred [2.25,-.75,-.75,-.75], var 6.75/4, std 1.299038
-    # -> [sqrt(3), -1/sqrt(3) x3]
-    close(group_advantages(torch.tensor([3.0, 0, 0, 0])), [1.7320508, -0.5773503, -0.5773503, -0.5773503])
-    # Dr.GRPO: only centred
-    close(group_advantages(torch.tensor([3.0, 0, 0, 0]), normalize_std=False), [2.25, -0.75, -0.75, -0.75])
-    # no spread -> no signal, no nan
-    close(group_advantages(torch.tensor([2.0, 2, 2])), [0.0, 0, 0])
-    close(group_advantages(torch.tensor([5.0])), [0.0])
-
-
 # Two sequences, 4 positions; seq 1's last position is not policy-sampled (mask 0).
 # seq 0: A=+1, ratios [1, 1.5, 0.5, 1.1]; seq 1: A=-2, ratios [1, 1.5, 0.5, (masked)].
 BEHAVIOUR = torch.tensor([[-1.0, -1, -1, -1], [-2.0, -2, -2, 0]])
 LOG_RATIO = torch.tensor([[0.0, math.log(1.5), math.log(0.5), math.log(1.1)], [0.0, math.log(1.5), math.log(0.5), -30.0]])
-ADV = torch.tensor([1.0, -2.0])
+ADV = torch.tensor([1.0, -2.0])[:, None].expand(2, 4)  # [B, T]: each sequence's advantage at every token
 MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
 
 
@@ -223,7 +170,7 @@ def test_gradient_flows_only_through_masked_tokens():
     behaviour = torch.where(mask.bool(), lp.detach() - 0.1, torch.zeros_like(lp))
     cfg = grpo(kl_coef=0.05, entropy_coef=0.01)
     ref = lp.detach() + 0.3
-    loss, _ = grpo_loss(lp, behaviour, torch.tensor([1.0, -1.0]), mask, cfg, ref_logprobs=ref, entropy=token_entropy(logits))
+    loss, _ = grpo_loss(lp, behaviour, torch.tensor([[1.0], [-1.0]]), mask, cfg, ref_logprobs=ref, entropy=token_entropy(logits))
     loss.backward()
     per_position = logits.grad.abs().sum(-1)  # [B, T]
     assert torch.all(per_position[mask == 0] == 0)
@@ -286,7 +233,7 @@ def test_corrected_loss_and_gradient_by_hand(level, mode, band, loss, grad):
     close(lp.grad, grad)
     close(m["ratio_max"], 1.5)  # the trainer/behaviour ratio, not the PPO ratio (1)
     close(m["ratio_min"], 0.5)
-    close(m["clip_fraction"], 0.0)
+    assert "clip_fraction" not in m  # the PPO ratio is 1 with a correction: the clip never acts
     masked = {"mask": {"token": 4 / 7, "seq": 3 / 7, "geo": 3 / 7}}.get(mode, {}).get(level, 0.0)
     close(m["is_masked_fraction"], masked)
 
@@ -297,7 +244,7 @@ def test_correction_off_is_todays_loss_bit_for_bit():
     # today's formula, written out
     mask = MASK.bool()
     ratio = torch.exp(torch.where(mask, lp_today - BEHAVIOUR, torch.zeros_like(lp_today)))
-    adv = ADV[:, None].expand_as(lp_today)
+    adv = ADV
     per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv)
     today = (per_token * mask).sum() / mask.sum()
     assert torch.equal(loss, today)
@@ -321,3 +268,19 @@ def test_is_correction_refuses_sequence_ratios_as_weights():
                 is_weights(LOG_RATIO, MASK, level, mode, 0.5, 2.0)
     with pytest.raises(ValueError, match="level 'half'"):
         is_weights(LOG_RATIO, MASK, "half", "mask", 0.5, 2.0)
+
+
+def test_sequence_level_ratio_clips_whole_sequences_by_their_geometric_mean():
+    """GSPO (ratio_level sequence): each token carries its sequence's geometric-mean ratio. Seq 0's tokens
+    [1.2, 1.2] keep 1.2 (inside [0.8, 1.28]); seq 1's [1.5, 1.5] are clipped whole (A > 0); seq 2's [2.0, 0.5]
+    average to 1, so both train, where the token ratio clips its first token. A = +1 each, 6 tokens."""
+    behaviour = torch.zeros(3, 2)
+    lp = torch.log(torch.tensor([[1.2, 1.2], [1.5, 1.5], [2.0, 0.5]])).requires_grad_()
+    adv, mask = torch.ones(3, 2), torch.ones(3, 2)
+    loss, m = grpo_loss(lp, behaviour, adv, mask, grpo(ratio_level="sequence"))
+    loss.backward()
+    close(lp.grad, [[-1.2 / 6, -1.2 / 6], [0, 0], [-1 / 6, -1 / 6]])
+    close(m["clip_fraction_high"], 2 / 6)
+    lp.grad = None
+    grpo_loss(lp, behaviour, adv, mask, grpo())[0].backward()  # the token ratio, for contrast
+    close(lp.grad, [[-1.2 / 6, -1.2 / 6], [0, 0], [0, -0.5 / 6]])

@@ -9,6 +9,7 @@ import torch
 
 from forge_rl.core.config import GRPOConfig, OptimizerConfig
 from forge_rl.core.loss import token_entropy
+from forge_rl.core.estimators import estimate
 from forge_rl.core.objective import GRPOLoss
 from forge_rl.core.types import Episode
 from forge_rl.engines.titan.model import sequence_logprobs
@@ -43,7 +44,7 @@ def blackjack_like_groups() -> list[Episode]:
 
 def test_a_group_is_scored_by_one_row_per_path():
     batch = blackjack_like_groups()
-    t = Trainer("unused")._tensors(batch, torch.zeros(len(batch)), None)
+    t = Trainer("unused")._tensors(batch, None)
     plan = plan_forward(t["tokens"], t["lengths"], t["mask"], list(range(len(batch))))
     assert plan.rows == [1, 5, 8], "one row per path: the first group's one, the second group's two"
     for b in range(len(batch)):
@@ -56,22 +57,22 @@ def test_turn_credit_compares_the_games_that_reached_the_same_conversation():
     """GiGPO's step-level advantage: an answer also earns reward minus the mean reward of the games of its
     group that answered after the same ids; a state one game alone reached adds nothing."""
     batch = blackjack_like_groups()
-    advantages = GRPOLoss(GRPOConfig(normalize_std=False, turn_credit=1.0)).advantages(batch)
+    advantages = estimate(batch, GRPOConfig(estimator="dr_grpo", turn_credit=1.0))
     trained = [[round(float(a[p]), 4) for p in range(len(e.tokens)) if e.loss_mask[p]] for a, e in zip(advantages, batch)]
     # group 0: rewards [-1, 1, -1, 0], mean -0.25; the first answer's state is everyone's (its credit doubles),
     # the second answer's (after hit, card 30) is games 1 and 2's: rewards [1, -1], mean 0
     assert trained[:4] == [[-1.5], [2.5, 2.25], [-1.5, -1.75], [0.5]]
     # group 1: mean 0; the last game alone drew card 40, so its second answer keeps its episode advantage
     assert trained[4:] == [[-2.0], [2.0, 2.0], [-2.0, -2.0], [0.0], [2.0, 1.0]]
-    plain = GRPOLoss(GRPOConfig(normalize_std=False)).advantages(batch)
-    assert plain.tolist() == [-0.75, 1.25, -0.75, 0.25, -1.0, 1.0, -1.0, 0.0, 1.0]
+    plain = estimate(batch, GRPOConfig(estimator="dr_grpo"))
+    assert [float(a[0]) for a in plain] == [-0.75, 1.25, -0.75, 0.25, -1.0, 1.0, -1.0, 0.0, 1.0]
 
 
 def test_centre_per_answer_subtracts_each_answers_batch_mean():
     """Stand (id 20) has mean advantage 0.75 / 6 over the batch's trained tokens, hit (21) 0.75 / 8: each is
     taken from its own answers, so no answer is favoured on average."""
     batch = blackjack_like_groups()
-    advantages = GRPOLoss(GRPOConfig(normalize_std=False, centre_per_answer=True)).advantages(batch)
+    advantages = estimate(batch, GRPOConfig(estimator="dr_grpo", centre_per_answer=True))
     trained = [(int(e.tokens[p]), float(a[p])) for a, e in zip(advantages, batch) for p in range(len(e.tokens)) if e.loss_mask[p]]
     assert trained[0] == (20, pytest.approx(-0.75 - 0.125)) and trained[1] == (21, pytest.approx(1.25 - 0.09375))
     for answer in (20, 21):
@@ -82,18 +83,18 @@ def test_centre_per_answer_subtracts_each_answers_batch_mean():
 @pytest.mark.parametrize("allowed", [None, [20, 21]], ids=["free", "constrained"])
 def test_shared_rows_give_the_loss_and_gradients_of_every_episode_scored_alone(tmp_path, allowed, turn_credit):
     model_dir = str(build_tiny_model(tmp_path / "tiny", seed=0))
-    loss_fn = GRPOLoss(GRPOConfig(entropy_coef=0.1, normalize_std=False, turn_credit=turn_credit))
+    loss_fn = GRPOLoss(GRPOConfig(entropy_coef=0.1, estimator="dr_grpo", turn_credit=turn_credit))
     trainer = Trainer(model_dir, loss_fn, OptimizerConfig(), micro_batch_size=1, allowed_token_ids=allowed, temperature=0.7)
     asyncio.run(Trainer.setup._method(trainer))
     batch = blackjack_like_groups()
-    t = trainer._tensors(batch, loss_fn.advantages(batch), None)
-    denominator = loss_fn.prepare(t)
+    t = trainer._tensors(batch, None)
+    totals = loss_fn.prepare(batch, t)
     everyone = list(range(len(batch)))
     plan = plan_forward(t["tokens"], t["lengths"], t["mask"], everyone)
 
     shared = 0.0
     for rows, weight in trainer._micro_batches(plan.rows):
-        loss, _ = trainer._forward_loss(t, plan, rows, plan.served_by(rows, everyone), weight, denominator)
+        loss, _ = trainer._forward_loss(t, plan, rows, plan.served_by(rows, everyone), weight, totals)
         loss.backward()
         shared += loss.item()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
@@ -102,7 +103,7 @@ def test_shared_rows_give_the_loss_and_gradients_of_every_episode_scored_alone(t
     length = int(t["lengths"].max())
     lp, logits = sequence_logprobs(trainer.model, t["tokens"][:, :length], True, allowed, 0.7)
     piece = {k: t[k][:, 1:length] for k in ("mask", "behaviour", "ages", "advantages")}
-    alone, _ = loss_fn(lp[:, 1:], piece, token_entropy(logits), denominator)
+    alone, _ = loss_fn(lp[:, 1:], piece, token_entropy(logits), totals)
     alone.backward()
 
     assert shared == pytest.approx(alone.item(), abs=1e-6)
@@ -114,7 +115,7 @@ def test_a_train_step_reports_the_tokens_it_ran_through_the_model(tmp_path):
     """`forward_tokens`: the rows run, each padded to its micro-batch's longest (the figure behind the bench's
     tokens per second): rows 1, 5 (8 ids each) then row 8 (7) of a batch of 64 ids."""
     model_dir = str(build_tiny_model(tmp_path / "tiny", seed=0))
-    loss_fn = GRPOLoss(GRPOConfig(normalize_std=False))
+    loss_fn = GRPOLoss(GRPOConfig(estimator="dr_grpo"))
     trainer = Trainer(model_dir, loss_fn, OptimizerConfig(), micro_batch_size=2)
     asyncio.run(Trainer.setup._method(trainer))
     batch = blackjack_like_groups()

@@ -31,10 +31,12 @@ def test_no_group_starts_while_the_oldest_in_flight_is_on_its_last_trainable_ver
     assert not in_flight.admits(1), "version 1 out: the groups of version 0 must end first (trained at age 1 at most)"
     in_flight.end(0)
     assert not in_flight.admits(1) and len(in_flight) == 1
+    assert not in_flight.admits(1, worker="b")  # another worker: another wait
     in_flight.end(0)
     assert in_flight.admits(1) and len(in_flight) == 0
-    assert in_flight.refusals == 2
+    assert in_flight.waits == 2, "two workers, each turned away on every poll of its wait: two waits"
     in_flight.start(1)
+    assert not in_flight.admits(2) and in_flight.waits == 3, "turned away again after being admitted: a new wait"
     assert InFlight(max_age=2).admits(7) and not _with(InFlight(max_age=2), 5).admits(7) and _with(InFlight(max_age=2), 6).admits(7)
 
 

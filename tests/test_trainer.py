@@ -16,13 +16,14 @@ from monarch.actor import ActorError
 from forge_rl.weights import control
 from forge_rl.runtime.actor import stop
 from forge_rl.core.config import GRPOConfig, OptimizerConfig
+from forge_rl.core.estimators import estimate
 from forge_rl.core.objective import GRPOLoss
 from forge_rl.engines.titan.reference import ReferenceModel
 from forge_rl.models.tiny import build_tiny_model
 from forge_rl.engines.titan.trainer import Trainer
 from forge_rl.core.types import Episode
 
-GRPO = GRPOConfig(kl_coef=0.05, entropy_coef=0.0, normalize_std=True)
+GRPO = GRPOConfig(kl_coef=0.05, entropy_coef=0.0, estimator="grpo")
 OPTIM = OptimizerConfig(lr=1e-3, schedule="constant")
 
 
@@ -344,15 +345,15 @@ def test_advantages_are_computed_per_group():
     for e, reward in zip(batch, [2.0, 3.0, -3.0, -2.0]):
         e.reward = reward
     batch = [batch[0], batch[2], batch[1], batch[3]]  # groups interleaved: rows are matched by group_id
-    advantages = GRPOLoss(GRPOConfig(normalize_std=True)).advantages(batch)
+    advantages = torch.tensor([float(a[0]) for a in estimate(batch, GRPOConfig(estimator="grpo"))])
     torch.testing.assert_close(advantages, torch.tensor([-1.0, -1.0, 1.0, 1.0]), atol=1e-5, rtol=0)
-    advantages = GRPOLoss(GRPOConfig(normalize_std=False)).advantages(batch)
+    advantages = torch.tensor([float(a[0]) for a in estimate(batch, GRPOConfig(estimator="dr_grpo"))])
     torch.testing.assert_close(advantages, torch.tensor([-0.5, -0.5, 0.5, 0.5]), atol=1e-5, rtol=0)
 
 
 def test_batch_tensors_keep_each_token_at_its_position():
     batch = make_batch(n_groups=1, group_size=3)
-    t = Trainer("unused")._tensors(batch, torch.zeros(len(batch)), [e.behaviour_logprobs + 1 for e in batch])
+    t = Trainer("unused")._tensors(batch, [e.behaviour_logprobs + 1 for e in batch])
     for i, e in enumerate(batch):
         n = len(e.tokens)
         assert t["lengths"][i] == n and torch.equal(t["tokens"][i, :n], e.tokens) and not t["tokens"][i, n:].any()
@@ -416,11 +417,11 @@ def test_the_entropy_floor_is_decided_once_for_the_whole_batch(model_dir):
     mean = sum(h * w for h, w in zip(per_episode, weights)) / sum(weights)
     assert mean < max(per_episode), per_episode
     floor = (mean + max(per_episode)) / 2  # the batch is below it; some episodes are not
-    config = GRPOConfig(entropy_coef=1.0, entropy_floor=floor, normalize_std=False)
+    config = GRPOConfig(entropy_coef=1.0, entropy_floor=floor, estimator="dr_grpo")
     for micro_batch_size in (len(batch), 1):
         trainer = in_process(Trainer, model_dir, GRPOLoss(config), OPTIM, micro_batch_size=micro_batch_size)
         metrics = asyncio.run(Trainer.train_step._method(trainer, batch, None))
         assert metrics["loss"] == pytest.approx(-mean, rel=1e-4), (micro_batch_size, metrics["loss"], -mean)
-    above = GRPOConfig(entropy_coef=1.0, entropy_floor=min(per_episode) / 2, normalize_std=False)  # off for every piece
+    above = GRPOConfig(entropy_coef=1.0, entropy_floor=min(per_episode) / 2, estimator="dr_grpo")  # off for every piece
     trainer = in_process(Trainer, model_dir, GRPOLoss(above), OPTIM, micro_batch_size=1)
     assert asyncio.run(Trainer.train_step._method(trainer, batch, None))["loss"] == pytest.approx(0.0, abs=1e-6)

@@ -39,6 +39,7 @@ class EpisodeRecord:
     logprobs: list[float] = field(default_factory=list)  # [T] 0.0 where not sampled
     versions: list[int] = field(default_factory=list)  # [T] -1 where not sampled
     completion_versions: list[int] = field(default_factory=list)  # one per completion
+    truncated: bool = False  # a completion was cut at max_tokens
 
     def __post_init__(self):
         if len(self.sampled) != len(self.token_ids):  # ids given at construction are a prompt
@@ -61,6 +62,7 @@ class EpisodeRecord:
         self.logprobs += completion.logprobs
         self.versions += completion.token_versions
         self.completion_versions.append(completion.policy_version)
+        self.truncated |= completion.finish_reason == "length"
 
     def to_episode(self, reward: float, group_id: str, rollout_id: str = "") -> Episode:
         if not self.completion_versions:
@@ -74,4 +76,5 @@ class EpisodeRecord:
             group_id=group_id,
             token_versions=torch.tensor(self.versions, dtype=torch.long),
             rollout_id=rollout_id,
+            truncated=self.truncated,
         )

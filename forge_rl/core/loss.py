@@ -14,8 +14,7 @@ ratio is instead taken against the trainer's own log-probs at this step (detache
 and only carries the gradient) and each token is weighted by a gate on the trainer/behaviour
 ratio: the behaviour policy may be a mix of versions (partial rollouts) and of numerics.
 
-Deliberately not here: value functions / GAE (GRPO has no critic) and token-level
-advantages from a reward model.
+Advantages come in per token [B, T] from core/estimators/ (one module per estimator).
 """
 
 import math
@@ -24,50 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from forge_rl.core.config import GRPOConfig
-
-# ---------------------------------------------------------------------------- advantage
-
-
-def group_advantages(
-    rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6, normalize_mean: bool = False
-) -> torch.Tensor:
-    """Advantages of the G episodes of one group (same prompt): reward minus group mean.
-
-    rewards [G] -> advantages [G]. With normalize_std the centred rewards are divided by
-    the group's population std (GRPO); Dr.GRPO (Liu et al. 2025) drops that division
-    because it over-weights groups whose rewards barely differ. A group whose rewards are
-    all equal gets zero advantages either way.
-
-    With normalize_mean they are divided by the group's mean absolute reward instead. For rewards
-    >= 0 (e.g. pass/fail) that is the mean: the estimate of the gradient of log(expected reward)
-    rather than of the expected reward (maximum-likelihood RL). With 0/1 rewards and k of G
-    passing, each pass gets (G - k) / k and each failure -1: every group that found a pass weighs
-    as one labelled example, however likely the policy already made it, so answers the policy
-    already favours do not gather more of the update (plain GRPO gives a group weight G q (1 - q),
-    q = k / G). Signed rewards (an invalid answer's penalty) have no such reading, and their mean
-    can be near 0 with rewards far from it ([1, 0, 0, -0.9]: the pass would get 39); divided by
-    the mean absolute reward, no advantage exceeds G + 1 in size. A group of zero rewards gets zero.
-    """
-    rewards = rewards.float()
-    mean = rewards.mean()
-    centred = rewards - mean  # [G]
-    if normalize_mean:
-        scale = rewards.abs().mean()
-        return centred / scale if scale > eps else torch.zeros_like(centred)
-    if normalize_std:
-        centred = centred / (rewards.std(correction=0) + eps)
-    return centred
-
-
-def rollout_advantages(
-    rewards: torch.Tensor, rollout_index: torch.Tensor, normalize_std: bool = True, normalize_mean: bool = False
-) -> torch.Tensor:
-    """Advantages of one group's episodes when a rollout may span several (the sealed segments of a
-    chat-agent rollout): each rollout counts once in the group's mean and std, and every episode gets
-    its rollout's advantage. rewards [N], rollout_index [N] (0..R-1, equal for one rollout) -> [N]."""
-    per_rollout = torch.zeros(int(rollout_index.max()) + 1).scatter(0, rollout_index, rewards.float())  # [R]
-    return group_advantages(per_rollout, normalize_std, normalize_mean=normalize_mean)[rollout_index]
-
 
 # ---------------------------------------------------------------------------- per token
 
@@ -184,7 +139,7 @@ def is_weights(
 def grpo_loss(
     logprobs: torch.Tensor,  # [B, T] current policy log-probs of the sampled tokens (with grad)
     behaviour_logprobs: torch.Tensor,  # [B, T] log-probs the generator sampled them with
-    advantages: torch.Tensor,  # [B] one per sequence, or [B, T] per token
+    advantages: torch.Tensor,  # [B, T] per token (core/estimators/)
     mask: torch.Tensor,  # [B, T] 1 where the policy sampled the token, 0 elsewhere
     config: GRPOConfig,  # clip_low/high, kl_coef/estimator, loss_agg, entropy_coef
     ref_logprobs: torch.Tensor | None = None,  # [B, T] reference log-probs; needed if kl_coef
@@ -200,8 +155,6 @@ def grpo_loss(
     by the mask before the sum, and masked positions never reach the exp of the ratio.
     """
     mask = mask.bool()
-    if advantages.dim() == 1:
-        advantages = advantages[:, None].expand_as(logprobs)  # [B, T]
     # Zero the log-ratio off-mask so padding (where behaviour log-probs are 0 and the
     # current ones are arbitrary) cannot produce inf * 0 = nan in the gradient.
     log_ratio = torch.where(mask, logprobs - behaviour_logprobs, torch.zeros_like(logprobs))
@@ -212,6 +165,12 @@ def grpo_loss(
             weights = is_weights(log_ratio, mask, correction.level, correction.mode, *correction.threshold)
         is_ratio = torch.exp(log_ratio.detach())  # trainer / behaviour, for the metrics
         log_ratio = torch.where(mask, logprobs - logprobs.detach(), torch.zeros_like(logprobs))
+    if config.ratio_level == "sequence":
+        # GSPO (Zheng et al. 2025) in its token form: each token carries its sequence's ratio, the geometric
+        # mean of its tokens' (length-normalised, so comparable across lengths), and the clip keeps or drops
+        # whole sequences; a token's gradient is its own log-prob's times that ratio.
+        seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+        log_ratio = torch.where(mask, logprobs - logprobs.detach() + seq.detach(), torch.zeros_like(logprobs))
     ratio = torch.exp(log_ratio)  # [B, T]
     clipped = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)  # [B, T]
@@ -260,13 +219,14 @@ def grpo_loss(
             "ratio_mean": masked_mean(shown),
             "ratio_min": r.min() if r.numel() else torch.tensor(1.0),
             "ratio_max": r.max() if r.numel() else torch.tensor(1.0),
-            # Clipping is active (gradient zero) when the ratio left the band in the
-            # direction the advantage pushes it.
-            "clip_fraction_low": masked_mean(((ratio < 1 - config.clip_low) & (advantages < 0)).float()),
-            "clip_fraction_high": masked_mean(((ratio > 1 + config.clip_high) & (advantages > 0)).float()),
             "advantage_mean": masked_mean(advantages),
         }
-        metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
+        if weights is None:
+            # Clipping is active (gradient zero) when the ratio left the band in the direction the advantage
+            # pushes it. With a correction the ratio is 1 and the clip never acts: no metric rather than 0.
+            metrics["clip_fraction_low"] = masked_mean(((ratio < 1 - config.clip_low) & (advantages < 0)).float())
+            metrics["clip_fraction_high"] = masked_mean(((ratio > 1 + config.clip_high) & (advantages > 0)).float())
+            metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
         # KL(behaviour || trainer) from the tokens behaviour sampled (k3, see KL_ESTIMATORS).
         metrics["behaviour_kl"] = masked_mean(KL_ESTIMATORS["k3"](behaviour_log_ratio))
         if weights is not None:

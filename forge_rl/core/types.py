@@ -27,6 +27,7 @@ class Episode:
     # A chat-agent rollout whose record was sealed into several segments gives one Episode per segment,
     # all with its rollout_id and reward; group advantages count each rollout once. "": its own rollout.
     rollout_id: str = ""
+    truncated: bool = False  # an answer of it was cut at sampling.max_tokens (finish_reason "length")
 
     def __post_init__(self):
         if self.token_versions is None:

@@ -132,7 +132,10 @@ def _exit_with(message: str):
 def _to_dataclass(cls, data: dict, prefix: str):
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    retired = getattr(cls, "RETIRED_KEYS", {})
     for name in data:
+        if name in retired:
+            raise ConfigError(f"{prefix}{name}: {retired[name]}")
         if name not in fields:
             nearest = difflib.get_close_matches(str(name), fields, n=1)
             hint = f"did you mean {prefix}{nearest[0]}?" if nearest else f"known: {', '.join(fields)}"

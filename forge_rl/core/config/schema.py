@@ -106,35 +106,46 @@ class GRPOConfig:
     group_size: int = 4  # games per group, dealt from the same seed
     batch_size: int = 64  # groups per train step
     max_policy_age: int = 1  # drop data sampled more than this many versions ago
-    normalize_std: bool = False  # False: Dr.GRPO advantages (no division by the group std)
-    # Divide by the group's mean absolute reward instead (for rewards >= 0 its mean): the gradient of log pass
-    # rate; each group that found a pass weighs as one labelled example (loss.group_advantages)
+    # The advantage estimator (core/estimators/): grpo (group mean and std), dr_grpo (group mean), rloo
+    # (leave-one-out mean), reinforce_pp (group mean, the batch's std)
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "dr_grpo"
+    # dr_grpo only: divide by the group's mean absolute reward (for rewards >= 0 its mean): the gradient of
+    # log pass rate; each group that found a pass weighs as one labelled example (estimators/dr_grpo.py)
     normalize_mean: bool = False
     clip_low: float = 0.2  # PPO clip, ratio >= 1 - clip_low
     clip_high: float = 0.28  # DAPO clip-higher, ratio <= 1 + clip_high
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's ratio and clip per sequence (core/loss.py)
     entropy_coef: float = 0.3
     # The bonus acts only while the mean entropy per trained token is below this floor (None: always).
     entropy_floor: Optional[float] = None
     filter_zero_spread: bool = False  # DAPO dynamic sampling: skip groups whose rewards are all equal
     # Weight of each answer's own credit beside its game's: the games of a group that reached the same
-    # conversation compared from there (GiGPO's step-level advantage; objective.turn_advantages). 0: off
+    # conversation compared from there (GiGPO's step-level advantage; estimators/turn_credit.py). 0: off
     turn_credit: float = 0.0
-    # Subtract from each answer token's advantage the batch's mean for that token (objective.centre_per_answer)
+    # A change of objective, not variance reduction: each one-token answer's batch-mean advantage subtracted
+    # (estimators/centring.py). Needs sampling.constrained; no result of the project's rests on it
     centre_per_answer: bool = False
     max_token_age: Optional[int] = None  # drop from the loss tokens sampled more than this many versions ago
+    # DAPO's overlong handling (Yu et al. 2025) for answers cut at sampling.max_tokens: keep their episodes out of
+    # the loss (they still count in their group's baseline); and/or a soft penalty, 0 to -1 over an answer's
+    # last `overlong_buffer` tokens before max_tokens, added to the reward (0: off)
+    overlong_filter: bool = False
+    overlong_buffer: int = 0
     is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
     self_imitation: SelfImitationConfig = field(default_factory=SelfImitationConfig)
+
+    RETIRED_KEYS = {"normalize_std": "replaced by grpo.estimator: grpo divides by the group's std, dr_grpo does not"}
 
     def check(self, key):
         if self.group_size < 2:
             raise ConfigError(f"{key}.group_size: expected >= 2 (advantages compare a group), got {self.group_size}")
         _positive(self, key, "batch_size")
-        _non_negative(self, key, "max_policy_age", "clip_low", "clip_high", "kl_coef", "entropy_coef", "turn_credit")
-        if self.normalize_std and self.normalize_mean:
-            raise ConfigError(f"{key}.normalize_mean: divides by the group's mean instead of its std; set normalize_std false")
+        _non_negative(self, key, "max_policy_age", "clip_low", "clip_high", "kl_coef", "entropy_coef", "turn_credit", "overlong_buffer")
+        if self.normalize_mean and self.estimator != "dr_grpo":
+            raise ConfigError(f"{key}.normalize_mean: a scale of dr_grpo's advantages, but estimator is {self.estimator}: set estimator dr_grpo")
         if self.clip_low >= 1:
             raise ConfigError(f"{key}.clip_low: expected < 1 (the ratio is clipped below at 1 - clip_low), got {self.clip_low}")
         if self.max_token_age is not None:
@@ -172,8 +183,10 @@ class LoraConfig:
 
     def check(self, key):
         _positive(self, key, "rank", "alpha")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"{key}.dropout: expected in [0, 1), got {self.dropout}")
+        if self.dropout != 0:
+            # Dropout would make the trainer's log-probs random (the ratio against the generator's would be noise),
+            # and one mask would serve every episode a shared forward row scores.
+            raise ConfigError(f"{key}.dropout: expected 0 (dropout makes the trainer's log-probs random), got {self.dropout}")
         unknown = [m for m in self.target_modules if m not in LINEAR_LAYERS]
         if unknown or not self.target_modules:
             raise ConfigError(f"{key}.target_modules: {unknown[0] if unknown else 'none'!r} is not a linear layer "
@@ -339,6 +352,8 @@ class RunConfig:
                 raise ConfigError(f"{role}.hosts: {hosts}, but cluster.workers lists {len(self.cluster.workers)}")
         for role, section in (("generator", self.generator), ("reference", self.reference)):
             _replicas_fill_hosts(role, section.num_replicas, section.hosts)
+        if self.grpo.overlong_buffer > self.sampling.max_tokens:
+            raise ConfigError(f"grpo.overlong_buffer: {self.grpo.overlong_buffer} is longer than sampling.max_tokens ({self.sampling.max_tokens})")
         if self.grpo.centre_per_answer and not self.sampling.constrained:
             # centring pools trained tokens by id: with free text that is every word, not the answers
             raise ConfigError("grpo.centre_per_answer: centres each answer token, so it needs sampling.constrained true")

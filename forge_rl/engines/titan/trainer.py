@@ -66,11 +66,12 @@ class Trainer(ForgeActor):
     Invariant: every rank holds the same step count and applies the same update (each rank gets the whole
     batch, trains on its slice, FSDP sums the gradients).
 
-    The loss function (core/objective.py `GRPOLoss` is one): `advantages(episodes) -> [B]` (or a [T] per episode);
-    `prepare(tensors, mean_entropy) -> denominator`, on the whole batch before its micro-batches
-    (`mean_entropy()`: the batch's mean entropy per trained token, all ranks', by a forward without grad); and
-    `loss_fn(logprobs [B, T], piece, logits, denominator) -> (loss, metrics)` per micro-batch, where `piece`
-    holds "behaviour", "mask" (weighted), "ages", "ref" (when given) and "advantages" as [B, T], and the
+    The loss function (core/objective.py `GRPOLoss` is one): `prepare(episodes, tensors, mean_entropy) -> totals`,
+    on the whole batch before its micro-batches: it may narrow tensors["mask"] and puts each token's advantage
+    in tensors["advantages"] [B, T] (`mean_entropy()`: the batch's mean entropy per trained token, all ranks',
+    by a forward without grad); and `loss_fn(logprobs [B, T], piece, logits, totals) -> (loss, metrics)` per
+    micro-batch, where `piece` holds "behaviour", "mask" (weighted), "ages", "ref" (when given) and
+    "advantages" as [B, T], and the
     pieces' gradients add up to the batch's. Its metrics must include `num_tokens` (see `reduction` for the
     others); `imitation_coef` weighs the NLL of the episodes to imitate.
     """
@@ -132,14 +133,14 @@ class Trainer(ForgeActor):
         """
         if self.loss_fn is None:
             raise ValueError("Trainer.train_step: this trainer was built without a loss_fn")
-        t = self._tensors(batch, self.loss_fn.advantages(batch), ref_logprobs)
+        t = self._tensors(batch, ref_logprobs)
         mine = self._my_rows(len(batch))
-        denominator = self.loss_fn.prepare(t, lambda: self._mean_entropy(t, mine))  # may narrow t["mask"]
+        totals = self.loss_fn.prepare(batch, t, lambda: self._mean_entropy(t, mine))  # may narrow t["mask"]
         plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
         total_loss, tokens, forward_tokens = 0.0, 0.0, 0
         sums, lows, highs = defaultdict(float), {}, {}
         for rows, weight in self._micro_batches(plan.rows):
-            loss, m = self._forward_loss(t, plan, rows, plan.served_by(rows, mine) if weight else [], weight, denominator)
+            loss, m = self._forward_loss(t, plan, rows, plan.served_by(rows, mine) if weight else [], weight, totals)
             loss.backward()
             forward_tokens += m.pop("forward_tokens")
             n = m.pop("num_tokens").item()
@@ -266,8 +267,8 @@ class Trainer(ForgeActor):
         for scheduler in self.lr_schedulers.schedulers:
             set_scheduler_lr(scheduler, [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)])
 
-    def _tensors(self, batch: list[Episode], advantages, ref_logprobs) -> dict[str, torch.Tensor]:
-        """Episodes -> right-padded [B, T] CPU tensors (advantages too), lengths [B], and each token's age:
+    def _tensors(self, batch: list[Episode], ref_logprobs) -> dict[str, torch.Tensor]:
+        """Episodes -> right-padded [B, T] CPU tensors, lengths [B], and each token's age:
         how many versions before the last pushed one it was sampled."""
         if not batch:
             raise ValueError("train_step: empty batch")
@@ -283,23 +284,19 @@ class Trainer(ForgeActor):
             "behaviour": pad([e.behaviour_logprobs for e in batch], torch.float32),
             "ages": self.policy_version - pad([e.token_versions for e in batch], torch.long),
         }
-        if isinstance(advantages, list):  # per token
-            t["advantages"] = pad(advantages, torch.float32)
-        else:
-            t["advantages"] = torch.as_tensor(advantages, dtype=torch.float32)[:, None].expand(len(batch), length)
         t["mask"][:, 0] = 0  # the first token has no prediction to train
         if ref_logprobs is not None:
             t["ref"] = pad(ref_logprobs, torch.float32)
         return t
 
-    def _forward_loss(self, t: dict, plan: ForwardPlan, rows: list[int], episodes: list[int], weight: float, denominator: float):
+    def _forward_loss(self, t: dict, plan: ForwardPlan, rows: list[int], episodes: list[int], weight: float, totals):
         """The loss of `episodes` from one forward of the `rows` that serve them (scoring.py); `piece` holds
         their [B, T] tensors from position 1, and the log-probs and entropies of their trained tokens."""
         lp, entropy, width, anchor = self._score(t, plan, rows, episodes)
         keys = ("mask", "behaviour", "ages", "ref", "advantages")
         piece = {k: t[k][episodes, 1 : width + 1].to(self.device) for k in keys if k in t}
         piece["mask"] = piece["mask"] * weight
-        loss, metrics = self.loss_fn(lp, piece, entropy, denominator)
+        loss, metrics = self.loss_fn(lp, piece, entropy, totals)
         return loss + anchor, {**metrics, "forward_tokens": len(rows) * width}  # padding included
 
     def _score(self, t: dict, plan: ForwardPlan, rows: list[int], episodes: list[int]):
@@ -335,7 +332,7 @@ class Trainer(ForgeActor):
     def _imitation_backward(self, episodes: list[Episode], coef: float) -> float:
         """Backward of coef x the mean NLL of the episodes' sampled tokens (their loss_mask); returns that NLL.
         Micro-batched and split over ranks as the main loss is."""
-        t = self._tensors(episodes, torch.zeros(len(episodes)), None)
+        t = self._tensors(episodes, None)
         denominator = t["mask"].sum().clamp(min=1).item()
         mine = self._my_rows(len(episodes))
         plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import netrc
 import os
+import sys
 from urllib.parse import urlsplit
 
 from forge_rl.core.app import App, load_app
@@ -31,7 +32,21 @@ def check_run(cfg: RunConfig, this_host: bool = True) -> App:
     if this_host:
         check_wandb(cfg.logging.wandb_project)
         check_gpus(cfg)
+    for key, why in inert_keys(cfg):
+        print(f"warning: {key}: {why}", file=sys.stderr)
     return app
+
+
+def inert_keys(cfg: RunConfig) -> list[tuple[str, str]]:
+    """Keys a run accepts but that do nothing with the others as set: said at the start, not refused."""
+    inert = []
+    if cfg.grpo.is_correction.level != "off":
+        inert.append((
+            "grpo.clip_low, grpo.clip_high",
+            "no effect with grpo.is_correction on (the PPO ratio is taken against the trainer's own log-probs at the "
+            "step, so it is 1); grpo.is_correction.threshold bounds the update instead",
+        ))
+    return inert
 
 
 def check_env(server: str | None, url: str | None) -> None:

@@ -42,11 +42,18 @@ class InFlight:
 
     def __init__(self, max_age: int):
         self.max_age, self.started = max(max_age, 1), Counter()  # 0 would play one group at a time
-        self.refusals = 0  # times a worker was told to wait for an old group to end
+        self.waits = 0  # times a worker began waiting for an old group to end (not how often it asked)
+        self._waiting: set = set()  # the workers waiting now
 
-    def admits(self, version: int) -> bool:
+    def admits(self, version: int, worker=None) -> bool:
+        """Whether `worker` may start a group under `version`; a worker turned away again while it waits
+        is the same wait."""
         admitted = not self.started or version - min(self.started) < self.max_age
-        self.refusals += not admitted
+        if admitted:
+            self._waiting.discard(worker)
+        elif worker not in self._waiting:
+            self._waiting.add(worker)
+            self.waits += 1
         return admitted
 
     def start(self, version: int) -> None:
@@ -94,7 +101,7 @@ async def rollout_worker(job: Job) -> None:
             await asyncio.sleep(0.05)
             continue
         version = job.state.version
-        if not job.in_flight.admits(version):
+        if not job.in_flight.admits(version, worker=asyncio.current_task()):
             await asyncio.sleep(0.05)
             continue
         seed, job.state.next_seed = job.state.next_seed, job.state.next_seed + 1
@@ -197,7 +204,7 @@ async def train(job: Job, progress, workers: list[asyncio.Task]) -> None:
             "rollout/aborted_games": rollouts.aborted_games,
         })
         if job.in_flight is not None:
-            values.update({"rollout/groups_in_flight": len(job.in_flight), "rollout/admission_waits": job.in_flight.refusals})
+            values.update({"rollout/groups_in_flight": len(job.in_flight), "rollout/admission_waits": job.in_flight.waits})
         values.update({f"buffer/{k}": v for k, v in (await job.buffer_stats()).items()})
         if cfg.eval.interval and (state.step % cfg.eval.interval == 0 or state.step == cfg.trainer.max_steps):  # and the final policy
             values.update(await job.evaluation())

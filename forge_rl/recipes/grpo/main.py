@@ -80,7 +80,7 @@ async def start(cfg: RunConfig, app: App, url: str) -> Job:
             model_path, cfg.model.dtype, cfg.generator, cfg.seed
         ),
         Trainer.options(procs=cfg.trainer.procs, with_gpus=gpus, hosts=cfg.trainer.hosts, role="trainer").as_actor(
-            model_path, GRPOLoss(cfg.grpo), cfg.trainer.optimizer, cfg.trainer.max_steps, cfg.model.dtype,
+            model_path, GRPOLoss(cfg.grpo, cfg.sampling.max_tokens), cfg.trainer.optimizer, cfg.trainer.max_steps, cfg.model.dtype,
             weight_sync=sync.kind, lora=cfg.trainer.lora, **scoring,
         ),
         ReplayBufferActor.options().as_actor(  # synchronous: on-policy, no group of an older version is kept

@@ -1,0 +1,232 @@
+"""Advantage estimators (forge_rl/core/estimators/): numbers worked out by hand, and the sign of each one's
+expected update on problems whose exact policy gradient is known (a 4-state bandit, a two-step game)."""
+
+import math
+
+import pytest
+import torch
+
+from forge_rl.core.config import GRPOConfig
+from forge_rl.core.estimators import ESTIMATORS, estimate
+from forge_rl.core.types import Episode
+
+SOUND = sorted(ESTIMATORS)  # every named estimator must point uphill
+
+
+def close(actual, expected, atol=1e-5):
+    torch.testing.assert_close(torch.as_tensor(actual).float(), torch.as_tensor(expected).float(), atol=atol, rtol=0)
+
+
+def one_turn(rewards: list[float], group: str = "g", rollouts: list[str] | None = None) -> list[Episode]:
+    """A group of one-answer episodes: prompt id 1, answer id 2 (trained)."""
+    rollouts = rollouts or [""] * len(rewards)
+    return [Episode(torch.tensor([1, 2]), torch.tensor([0, 1]), torch.zeros(2), r, 0, group, rollout_id=o) for r, o in zip(rewards, rollouts)]
+
+
+def per_episode(batch: list[Episode], **keys) -> list[float]:
+    return [float(a[-1]) for a in estimate(batch, GRPOConfig(**keys))]
+
+
+def test_each_estimator_by_hand():
+    rewards = [3.0, 0, 0, 0]  # mean .75, centred [2.25, -.75, -.75, -.75], population std 1.299038
+    close(per_episode(one_turn(rewards), estimator="dr_grpo"), [2.25, -0.75, -0.75, -0.75])
+    close(per_episode(one_turn(rewards), estimator="grpo"), [math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3)])
+    # leave-one-out: 3 - 0, 0 - 1 (the others' mean is 3 / 3)
+    close(per_episode(one_turn(rewards), estimator="rloo"), [3.0, -1, -1, -1])
+    # REINFORCE++: group-centred, then divided by the std over the whole batch: groups [3,0,0,0] and [1,1,1,0]
+    # centred [2.25,-.75,-.75,-.75] and [.25,.25,.25,-.75]; their population std over 8 is sqrt(8.5/8)
+    batch = one_turn(rewards, "a") + one_turn([1.0, 1, 1, 0], "b")
+    std = math.sqrt((2.25**2 + 3 * 0.75**2 + 3 * 0.25**2 + 0.75**2) / 8)
+    close(per_episode(batch, estimator="reinforce_pp"), [x / std for x in [2.25, -0.75, -0.75, -0.75, 0.25, 0.25, 0.25, -0.75]])
+    # no spread: no signal and no nan, whatever the estimator
+    for name in SOUND:
+        close(per_episode(one_turn([2.0, 2, 2]), estimator=name), [0.0, 0, 0])
+
+
+def test_a_rollout_sealed_into_several_episodes_counts_once():
+    # rows 0 and 1 are two segments of one rollout (reward 1); rollouts [1, 0, 0]: mean 1/3
+    batch = one_turn([1.0, 1, 0, 0], rollouts=["r", "r", "", ""])
+    close(per_episode(batch, estimator="dr_grpo"), [2 / 3, 2 / 3, -1 / 3, -1 / 3])
+    close(per_episode(batch, estimator="grpo"), [math.sqrt(2), math.sqrt(2), -1 / math.sqrt(2), -1 / math.sqrt(2)], atol=1e-4)
+    close(per_episode(batch, estimator="dr_grpo", normalize_mean=True), [2.0, 2.0, -1.0, -1.0])
+
+
+def test_normalize_mean_weighs_every_group_that_found_a_pass_as_one_example():
+    # 0/1 rewards, k of G pass: each pass (G - k) / k, each failure -1 (maximum-likelihood RL)
+    close(per_episode(one_turn([1.0, 0, 0, 0]), normalize_mean=True), [3.0, -1, -1, -1])
+    close(per_episode(one_turn([1.0, 1, 1, 0]), normalize_mean=True), [1 / 3, 1 / 3, 1 / 3, -1])
+    for k in range(1, 8):
+        close(sum(per_episode(one_turn([1.0] * k + [0.0] * (8 - k)), normalize_mean=True)[:k]) / (8 - k), 1.0)
+    close(per_episode(one_turn([0.0] * 4), normalize_mean=True), [0.0] * 4)
+    # signed rewards: divided by the mean ABSOLUTE reward 0.475, not the mean 0.025 (which gave the pass 39)
+    close(per_episode(one_turn([1.0, 0, 0, -0.9]), normalize_mean=True), [0.975 / 0.475, -0.025 / 0.475, -0.025 / 0.475, -0.925 / 0.475])
+
+
+def test_turn_credit_is_scaled_as_the_episode_term_is():
+    """One pass of four, each a one-answer game (every answer in the same state): with normalize_mean the
+    episode term is 3 and the per-turn term compares the same four rewards the same way, 3 again."""
+    advantages = per_episode(one_turn([1.0, 0, 0, 0]), normalize_mean=True, turn_credit=1.0)
+    close(advantages, [6.0, -2, -2, -2])
+    # leave-one-out: 1 - 0 and 0 - 1/3, twice
+    close(per_episode(one_turn([1.0, 0, 0, 0]), estimator="rloo", turn_credit=1.0), [2.0, -2 / 3, -2 / 3, -2 / 3])
+
+
+def test_unknown_estimator_is_refused_by_the_registry():
+    with pytest.raises(KeyError):
+        estimate(one_turn([1.0, 0]), GRPOConfig(estimator="ppo2"))
+
+
+# ------------------------------------------------------------------------------------------- expected updates
+# A tabular softmax policy; an episode's tokens are [state, answer] (or a two-step game's ids). The sampled
+# update of one batch is sum_i sum_t A_i,t (onehot(a_t) - pi(.|s_t)), the REINFORCE form of what the loss
+# differentiates at ratio 1; averaged over many batches it must point where the exact gradient points.
+
+BANDIT_STATES = 4
+MARGINS = torch.tensor([0.1, 0.4, 0.8, 1.2])  # answer 1 is better than answer 0 in every state, by these
+BASE = torch.tensor([-0.5, 0.3, -0.2, 0.6])
+ANSWER_IDS = (10, 11)
+
+
+def bandit_batches(logits: torch.Tensor, n_batches: int, group_size: int, seed: int):
+    """Batches of one group per state; rewards r(s, 0) = BASE[s], r(s, 1) = BASE[s] + MARGINS[s] plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    probs = logits.softmax(-1)
+    for _ in range(n_batches):
+        batch = []
+        for s in range(BANDIT_STATES):
+            actions = torch.multinomial(probs[s], group_size, replacement=True, generator=g)
+            noise = 0.3 * torch.randn(group_size, generator=g)
+            for a, e in zip(actions.tolist(), noise.tolist()):
+                reward = float(BASE[s] + MARGINS[s] * a) + e
+                batch.append(Episode(torch.tensor([s, ANSWER_IDS[a]]), torch.tensor([0, 1]), torch.zeros(2), reward, 0, f"s{s}"))
+        yield batch
+
+
+def sampled_bandit_update(config: GRPOConfig, logits: torch.Tensor, n_batches: int = 600, group_size: int = 4) -> torch.Tensor:
+    probs, update = logits.softmax(-1), torch.zeros_like(logits)
+    for batch in bandit_batches(logits, n_batches, group_size, seed=0):
+        for e, a in zip(batch, estimate(batch, config)):
+            s, answer = int(e.tokens[0]), ANSWER_IDS.index(int(e.tokens[1]))
+            update[s] += float(a[1]) * (torch.nn.functional.one_hot(torch.tensor(answer), 2) - probs[s])
+    return update / n_batches
+
+
+def exact_bandit_gradient(logits: torch.Tensor) -> torch.Tensor:
+    """d/dlogits of E_s E_a~pi(.|s) r(s, a), states uniform: pi_s * (r_s - pi_s . r_s) / states."""
+    probs = logits.softmax(-1)
+    r = torch.stack([BASE, BASE + MARGINS], -1)  # [S, 2]
+    return probs * (r - (probs * r).sum(-1, keepdim=True)) / BANDIT_STATES
+
+
+LOGITS = torch.tensor([[0.3, -0.2], [-0.4, 0.1], [0.0, 0.5], [0.6, 0.0]])
+
+
+@pytest.mark.parametrize("name", SOUND)
+@pytest.mark.parametrize("turn_credit", [0.0, 1.0], ids=["per-game", "per-turn"])
+def test_every_estimator_goes_uphill_in_every_state_of_a_bandit(name, turn_credit):
+    update = sampled_bandit_update(GRPOConfig(estimator=name, turn_credit=turn_credit), LOGITS)
+    exact = exact_bandit_gradient(LOGITS)
+    for s in range(BANDIT_STATES):
+        assert float(update[s] @ exact[s]) > 0, (name, s, update[s].tolist(), exact[s].tolist())
+        assert update[s, 1] > 0, f"{name}: state {s} is pushed toward the worse answer"
+
+
+def test_per_answer_centring_pushes_the_smallest_margin_state_toward_the_worse_answer():
+    """What centring does (a change of objective, estimators/centring.py): answer 1 is better everywhere, yet
+    in the state where it wins by less than its average margin the update prefers answer 0."""
+    update = sampled_bandit_update(GRPOConfig(estimator="dr_grpo", centre_per_answer=True), LOGITS)
+    exact = exact_bandit_gradient(LOGITS)
+    assert float(update[0] @ exact[0]) < 0 and update[0, 1] < 0, update[0].tolist()
+    assert update[3, 1] > 0  # the largest margin still goes the right way
+
+
+# A two-step game: the first answer (10 or 11) takes the game to observation 50 or 51, then a second answer
+# (10 or 11) ends it. r(10, 10) = 1, r(10, 11) = -1, r(11, .) = 0.2: after 10 only 10 is good, and which
+# first answer is better depends on how the second is played.
+GAME_REWARD = {(0, 0): 1.0, (0, 1): -1.0, (1, 0): 0.2, (1, 1): 0.2}
+
+
+def game_batches(first: torch.Tensor, second: torch.Tensor, n_batches: int, group_size: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n_batches):
+        batch = []
+        for _ in range(group_size):
+            a0 = int(torch.multinomial(first.softmax(-1), 1, generator=g))
+            a1 = int(torch.multinomial(second[a0].softmax(-1), 1, generator=g))
+            tokens = torch.tensor([1, ANSWER_IDS[a0], 50 + a0, ANSWER_IDS[a1]])
+            reward = GAME_REWARD[a0, a1] + 0.3 * float(torch.randn(1, generator=g))
+            batch.append(Episode(tokens, torch.tensor([0, 1, 0, 1]), torch.zeros(4), reward, 0, "g"))
+        yield batch
+
+
+@pytest.mark.parametrize("name", SOUND)
+@pytest.mark.parametrize("turn_credit", [0.0, 1.0], ids=["per-game", "per-turn"])
+def test_every_estimator_goes_uphill_in_a_two_step_game(name, turn_credit):
+    first, second = torch.tensor([0.2, -0.1]), torch.tensor([[-0.3, 0.3], [0.1, 0.0]])
+    p0, p1 = first.softmax(-1), second.softmax(-1)
+    r = torch.tensor([[GAME_REWARD[a, b] for b in (0, 1)] for a in (0, 1)])
+    q0 = (p1 * r).sum(-1)  # value of each first answer under the second step's policy
+    exact_first = p0 * (q0 - (p0 * q0).sum())
+    exact_second = p0[:, None] * p1 * (r - q0[:, None])
+    up_first, up_second, n = torch.zeros(2), torch.zeros(2, 2), 800
+    config = GRPOConfig(estimator=name, turn_credit=turn_credit)
+    for batch in game_batches(first, second, n, group_size=4, seed=1):
+        for e, a in zip(batch, estimate(batch, config)):
+            a0, a1 = ANSWER_IDS.index(int(e.tokens[1])), ANSWER_IDS.index(int(e.tokens[3]))
+            up_first += float(a[1]) * (torch.nn.functional.one_hot(torch.tensor(a0), 2) - p0)
+            up_second[a0] += float(a[3]) * (torch.nn.functional.one_hot(torch.tensor(a1), 2) - p1[a0])
+    assert float(up_first @ exact_first) > 0, (up_first / n, exact_first)
+    for a0 in (0, 1):
+        if exact_second[a0].abs().sum() > 1e-6:
+            assert float(up_second[a0] @ exact_second[a0]) > 0, (a0, up_second[a0] / n, exact_second[a0])
+
+
+def test_centring_sees_only_the_tokens_max_token_age_leaves_in_the_loss():
+    """GRPOLoss.prepare narrows the mask first: a token sampled too long ago is neither trained nor counted in
+    its answer's batch mean. Answer 2 in three games, rewards [1, 0, 0] (Dr.GRPO [2/3, -1/3, -1/3]); the first
+    game's answer is two versions old and max_token_age 1 drops it: the mean is over the other two, -1/3."""
+    from forge_rl.core.objective import GRPOLoss
+    from forge_rl.engines.titan.trainer import Trainer
+
+    batch = one_turn([1.0, 0, 0])
+    batch[0].token_versions = torch.tensor([-1, 0])
+    for e in batch[1:]:
+        e.token_versions = torch.tensor([-1, 2])
+    trainer = Trainer("unused")
+    trainer.policy_version = 2
+    t = trainer._tensors(batch, None)
+    GRPOLoss(GRPOConfig(centre_per_answer=True, max_token_age=1)).prepare(batch, t)
+    assert t["mask"][:, 1].tolist() == [0.0, 1.0, 1.0]
+    close(t["advantages"][1:, 1], [0.0, 0.0])
+
+
+def answer_of(length: int, reward: float, truncated: bool) -> Episode:
+    """A one-answer episode: a prompt id, then `length` sampled ids."""
+    n = 1 + length
+    return Episode(torch.arange(n), torch.tensor([0] + [1] * length), torch.zeros(n), reward, 0, "g", truncated=truncated)
+
+
+def test_dapo_soft_overlong_penalty_by_hand():
+    """max_tokens 8, buffer 4: answers of up to 4 tokens keep their reward, 6 tokens lose 0.5, 8 (cut) lose 1.
+    Rewards [1, 1, 1] become [1, 0.5, 0]; Dr.GRPO: [0.5, 0, -0.5]."""
+    batch = [answer_of(4, 1.0, False), answer_of(6, 1.0, False), answer_of(8, 1.0, True)]
+    advantages = estimate(batch, GRPOConfig(overlong_buffer=4), max_tokens=8)
+    close([float(a[-1]) for a in advantages], [0.5, 0.0, -0.5])
+    close([float(a[-1]) for a in estimate(batch, GRPOConfig())], [0.0, 0.0, 0.0])  # off by default
+
+
+def test_overlong_filter_keeps_cut_answers_out_of_the_loss_but_in_the_baseline():
+    from forge_rl.core.episode import EpisodeRecord
+    from forge_rl.core.objective import GRPOLoss
+    from forge_rl.core.types import Completion
+    from forge_rl.engines.titan.trainer import Trainer
+
+    record = EpisodeRecord([1, 2])
+    record.add_completion(Completion([1, 2], [3, 4], [-0.1, -0.2], "", "length", 0))
+    cut = record.to_episode(0.0, "g")
+    assert cut.truncated, "finish_reason 'length' is recorded on the episode"
+    batch = [answer_of(2, 1.0, False), cut]
+    t = Trainer("unused")._tensors(batch, None)
+    GRPOLoss(GRPOConfig(overlong_filter=True)).prepare(batch, t)
+    assert t["mask"][1].sum() == 0 and t["mask"][0].sum() == 2
+    close(t["advantages"][0, 1:3], [0.5, 0.5])  # compared with the cut answer's reward 0 all the same
