@@ -1,6 +1,8 @@
 """The package's shape, kept: imports go one way (.importlinter's contracts), no module grows past what one read
 takes in, and the README names every module a newcomer meets."""
 
+import ast
+import builtins
 import re
 import subprocess
 import sys
@@ -56,3 +58,27 @@ def test_the_readme_names_every_module():
         elif module not in named:
             missing.append(module)
     assert not missing, f"README.md does not name {missing}"
+
+
+def names_annotations_use_unbound(source: str) -> set[str]:
+    """Names in the function and variable annotations of a module that nothing in it binds."""
+    tree, bound, used = ast.parse(source), set(dir(builtins)), set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+    for node in ast.walk(tree):
+        annotations = [node.annotation] if isinstance(node, (ast.AnnAssign, ast.arg)) and node.annotation else []
+        annotations += [node.returns] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns else []
+        used.update(n.id for a in annotations for n in ast.walk(a) if isinstance(n, ast.Name))
+    return used - bound
+
+
+def test_annotations_name_what_their_module_has():
+    """Under `from __future__ import annotations` nothing evaluates an annotation, so a function that names a
+    type its module never imports runs as if it did: the mark of dead or copied code nobody calls."""
+    unbound = {str(p.relative_to(ROOT)): names for p in PACKAGE.rglob("*.py") if (names := names_annotations_use_unbound(p.read_text()))}
+    assert not unbound, f"annotations naming what their module does not import or define: {unbound}"
