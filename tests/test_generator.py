@@ -21,7 +21,7 @@ from forge_rl.weights import control
 from forge_rl.runtime.actor import stop
 from forge_rl.core.config import GeneratorConfig
 from forge_rl.engines.vllm.generator import Generator, WeightGate
-from forge_rl.engines.vllm.worker import cpu_environment
+from forge_rl.engines.vllm.cpu import cpu_environment
 from forge_rl.weights.store import write_weights_file
 from forge_rl.models.tiny import build_tiny_model
 

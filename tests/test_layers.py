@@ -82,3 +82,17 @@ def test_annotations_name_what_their_module_has():
     type its module never imports runs as if it did: the mark of dead or copied code nobody calls."""
     unbound = {str(p.relative_to(ROOT)): names for p in PACKAGE.rglob("*.py") if (names := names_annotations_use_unbound(p.read_text()))}
     assert not unbound, f"annotations naming what their module does not import or define: {unbound}"
+
+
+def test_no_modules_import_each_other():
+    """An import circle shows where layering broke: a lower module reaching back for the one that uses it
+    (for a type hint, say). Only a package's __init__ may import its own modules (weights/: one per transport)."""
+    import grimp
+
+    graph = grimp.build_graph("forge_rl", include_external_packages=False)
+    packages = {m for m in graph.modules if (PACKAGE.parent / m.replace(".", "/") / "__init__.py").is_file()}
+    circles = sorted(
+        (m, n) for m in graph.modules - packages for n in graph.find_modules_directly_imported_by(m) - packages
+        if graph.chain_exists(importer=n, imported=m)
+    )
+    assert not circles, f"modules that import each other, directly or through others: {circles}"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from forge_rl.core.app import App
 from forge_rl.core.config import ConfigError, SamplingConfig
@@ -19,9 +18,6 @@ from forge_rl.core.episode import EpisodeRecord
 from forge_rl.core.types import Episode
 from forge_rl.rollout.env_client import EpisodeAborted
 from forge_rl.rollout.segments import end_of_turn
-
-if TYPE_CHECKING:
-    from forge_rl.rollout.rollouts import Rollouts
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +116,9 @@ def sampling_params(config: SamplingConfig, allowed_token_ids: list[int] | None,
     return params
 
 
-async def play_game(rollouts: Rollouts, seed: int, group_id: str, asks, reset_args: dict | None = None) -> GameResult:
+async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict | None = None) -> GameResult:
     """One whole game on its own environment session: observe, ask the policy, act, until done.
+    `rollouts`: the run's Rollouts (rollouts.py, which calls this), for its config, app, tokenizer and sessions.
     `asks`: where the game's answers come from (requests.py), shared with the other games of its group or
     evaluation. `reset_args`: besides the seed (the config's env.reset_args, or eval.reset_args over them)."""
     cfg, app, tokenizer = rollouts.cfg, rollouts.app, rollouts.tokenizer

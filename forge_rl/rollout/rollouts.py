@@ -15,6 +15,7 @@ import logging
 from forge_rl.core.app import App
 from forge_rl.core.config import RunConfig
 from forge_rl.core.types import Completion, Episode
+from forge_rl.rollout.agents import play_agent, stop_chat_server
 from forge_rl.rollout.batching import RequestBatcher
 from forge_rl.rollout.play import GameResult, play_game, sampling_params
 from forge_rl.rollout.requests import SharedRequests
@@ -77,8 +78,6 @@ class Rollouts:
     async def play(self, seed: int, group_id: str, asks, reset_args: dict | None = None) -> GameResult:
         """One game, or one agent run for an agent app (same arguments, same result)."""
         if self.app.is_agent:
-            from forge_rl.rollout.agents import play_agent
-
             return await play_agent(self, seed, group_id, asks, reset_args)
         return await play_game(self, seed, group_id, asks, reset_args)
 
@@ -118,7 +117,5 @@ class Rollouts:
 
     async def close(self) -> None:
         if self.agents is not None:
-            from forge_rl.rollout.agents import stop_chat_server
-
             await stop_chat_server(self)
         await self.sessions.close()

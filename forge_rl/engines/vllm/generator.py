@@ -32,7 +32,7 @@ from monarch.actor import concurrent_endpoint, endpoint
 from forge_rl import weights
 from forge_rl.core.config import GeneratorConfig
 from forge_rl.core.types import Completion
-from forge_rl.engines.vllm.worker import cpu_environment
+from forge_rl.engines.vllm.cpu import cpu_environment
 from forge_rl.runtime.actor import ForgeActor
 from forge_rl.runtime.service import ReplicaDead
 from forge_rl.weights import control, shm
