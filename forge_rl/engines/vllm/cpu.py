@@ -10,8 +10,8 @@ import os
 
 # glibc malloc settings. They make each version's weights, repacked in the worker (worker.py), land in the
 # pages the version before last used, instead of fresh pages the kernel faults in and zeroes one by one
-# (repacking into warm pages costs half as much). By default malloc hands large blocks back to the kernel:
-# each over 32 MB is an mmap of its own, and each repacking thread's arena unmaps its heap once that is
+# (repacking into warm pages costs less). By default malloc hands large blocks back to the kernel: each
+# over its mmap threshold is an mmap of its own, and each repacking thread's arena unmaps its heap once that is
 # empty. So: one arena, no mmap'd blocks, never trim the heap. Memory: a worker keeps what it held at the
 # peak of a swap (the old version's and the new version's repacked weights), which it needed anyway.
 KEEP_FREED_MEMORY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
