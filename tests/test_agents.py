@@ -2,6 +2,7 @@
 on 127.0.0.1. No policy: the agents of tests/agent_apps.py never ask it."""
 
 import asyncio
+import logging
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from forge_rl.core.config import load_config
 from forge_rl.envs.local import launch_local
 from forge_rl.models.tiny import build_tiny_model
 from forge_rl.rollout.evaluation import Evaluation
-from forge_rl.rollout.rollouts import Rollouts
+from forge_rl.rollout.rollouts import GROUPS_LOST_BEFORE_GIVING_UP, GroupsLost, Rollouts
 from tests import agent_apps
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "blackjack_agent_tiny_cpu.yaml"
@@ -69,3 +70,25 @@ def test_a_failed_agent_cancels_the_others_of_its_group(tmp_path, code_tasks):
     free, open_rollouts = asyncio.run(main())
     assert len(agent_apps.started) == GROUP and len(agent_apps.cancelled) == GROUP - 1
     assert free == 8 and open_rollouts == {}
+
+
+def test_groups_whose_agents_never_ask_the_policy_are_counted_and_stop_the_run_when_they_repeat(tmp_path, code_tasks, caplog):
+    """These agents never call the model, so no game has an episode: each group is dropped with a log line and
+    a count (rollout/groups_without_episodes), and as many in a row as lose a run to a gone environment stop it."""
+    r = rollouts(tmp_path, code_tasks.url)
+    agent_apps.fail_one = False
+
+    async def main():
+        try:
+            first = await r.group(7)
+            with pytest.raises(GroupsLost, match=f"groups were dropped, the last for {GROUP} games that ended without asking the policy"):
+                for seed in range(8, 8 + GROUPS_LOST_BEFORE_GIVING_UP):
+                    await r.group(seed)
+            return first
+        finally:
+            await r.close()
+
+    with caplog.at_level(logging.WARNING, logger="forge_rl.rollout.rollouts"):
+        first = asyncio.run(main())
+    assert first is None and r.groups_without_episodes == GROUPS_LOST_BEFORE_GIVING_UP
+    assert f"group on seed 7 dropped: {GROUP} of its games ended without asking the policy" in caplog.text

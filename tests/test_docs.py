@@ -1,12 +1,16 @@
 """The README and docs/ stay true and small: every training or config-check command they give passes the
 config check (as `python -m forge_rl.config` runs it, in this process), every repository path, module and
-link they name exists, docs/index.md lists every page, and they stay reference, not a diary.
+link they name exists, docs/index.md lists every page, and they stay reference, not a diary; the code's
+comments say why, and leave what one run measured to docs/results.md.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import io
 import re
+import tokenize
 import shlex
 from pathlib import Path
 
@@ -139,3 +143,25 @@ def test_reference_not_a_diary():
         problems += [f"{page.name}: {h}" for h in re.findall(r"\b[0-9a-f]{7,40}\b", text) if re.search(r"\d", h) and re.search(r"[a-f]", h)]
         problems += [f"{page.name}: {b!r}" for b in re.findall(r"\bbranch(?:es)? `?[\w/-]+`?", text, re.I)]
     assert not problems, problems
+
+
+# A figure one run measured: a time or a size, or a ratio ("~20x slower", "0.85x as long").
+MEASURED = re.compile(r"\d(?:[\d,.]*\d)?(?:-\d[\d.]*)?\s?(?:ms|GB|MB|KB)\b|\b\d+(?:\.\d+)?x\b")
+
+
+def comments(path: Path) -> list[str]:
+    """A module's comments and docstrings, or a YAML file's comments."""
+    text = path.read_text()
+    if path.suffix != ".py":
+        return [line.split("#", 1)[1] for line in text.splitlines() if "#" in line]
+    found = [t.string for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type == tokenize.COMMENT]
+    documented = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    return found + [doc for node in ast.walk(ast.parse(text)) if isinstance(node, documented) and (doc := ast.get_docstring(node))]
+
+
+def test_code_comments_say_why_not_what_one_run_measured():
+    """A run's timing or size in a comment goes stale with the next change, and no one reruns it; what is worth
+    keeping goes to docs/results.md with its date and command."""
+    files = [*(ROOT / "forge_rl").rglob("*.py"), *(ROOT / "apps").rglob("*.py"), *(ROOT / "configs").glob("*.yaml")]
+    found = [f"{f.relative_to(ROOT)}: {m.group()!r} in {c.strip()[:80]!r}" for f in files for c in comments(f) for m in MEASURED.finditer(c)]
+    assert not found, found

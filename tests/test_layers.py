@@ -1,6 +1,8 @@
 """The package's shape, kept: imports go one way (.importlinter's contracts), no module grows past what one read
 takes in, and the README names every module a newcomer meets."""
 
+import ast
+import builtins
 import re
 import subprocess
 import sys
@@ -56,3 +58,41 @@ def test_the_readme_names_every_module():
         elif module not in named:
             missing.append(module)
     assert not missing, f"README.md does not name {missing}"
+
+
+def names_annotations_use_unbound(source: str) -> set[str]:
+    """Names in the function and variable annotations of a module that nothing in it binds."""
+    tree, bound, used = ast.parse(source), set(dir(builtins)), set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+    for node in ast.walk(tree):
+        annotations = [node.annotation] if isinstance(node, (ast.AnnAssign, ast.arg)) and node.annotation else []
+        annotations += [node.returns] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns else []
+        used.update(n.id for a in annotations for n in ast.walk(a) if isinstance(n, ast.Name))
+    return used - bound
+
+
+def test_annotations_name_what_their_module_has():
+    """Under `from __future__ import annotations` nothing evaluates an annotation, so a function that names a
+    type its module never imports runs as if it did: the mark of dead or copied code nobody calls."""
+    unbound = {str(p.relative_to(ROOT)): names for p in PACKAGE.rglob("*.py") if (names := names_annotations_use_unbound(p.read_text()))}
+    assert not unbound, f"annotations naming what their module does not import or define: {unbound}"
+
+
+def test_no_modules_import_each_other():
+    """An import circle shows where layering broke: a lower module reaching back for the one that uses it
+    (for a type hint, say). Only a package's __init__ may import its own modules (weights/: one per transport)."""
+    import grimp
+
+    graph = grimp.build_graph("forge_rl", include_external_packages=False)
+    packages = {m for m in graph.modules if (PACKAGE.parent / m.replace(".", "/") / "__init__.py").is_file()}
+    circles = sorted(
+        (m, n) for m in graph.modules - packages for n in graph.find_modules_directly_imported_by(m) - packages
+        if graph.chain_exists(importer=n, imported=m)
+    )
+    assert not circles, f"modules that import each other, directly or through others: {circles}"

@@ -7,6 +7,8 @@ bound of docs/real_models.md), between a merged weight and the trainer's unmerge
 """
 
 import asyncio
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +96,34 @@ def test_an_export_loads_in_transformers_and_peft_with_the_trainers_logprobs(tin
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "hf" / "adapter")).eval()
         assert worst(trained, hf_logprobs(adapted, tokens)) < BOUND[model]
+
+
+def test_an_export_says_its_weights_dtype_and_refuses_to_drop_a_trained_tensor(tiny, tmp_path):
+    """A model directory whose config says bf16 (SmolLM2's does) trains in fp32: the export's config.json says
+    the dtype its weights are in. A trained tensor its checkpoint lacks (only a tied head may be) fails the
+    export with one line naming it, and nothing is written."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"torch_dtype": "bfloat16"}))
+    trainer = trainer_in_process(str(model_dir), None)
+    asyncio.run(Trainer.export_hf._method(trainer, str(tmp_path / "hf")))
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:
+        written = {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert written == {"F32"} and json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "float32"
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype="auto").dtype == torch.float32
+
+    weights = load_file(str(model_dir / "model.safetensors"))
+    del weights["model.norm.weight"]
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.norm.weight") as refused:
+        asyncio.run(Trainer.export_hf._method(trainer, str(tmp_path / "dropped")))
+    assert "\n" not in str(refused.value) and "tied output head" in str(refused.value)
+    assert not (tmp_path / "dropped").exists()
 
 
 def test_resume_restores_the_adapters_and_their_optimizer_state(tiny, tmp_path):

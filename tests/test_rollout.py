@@ -77,6 +77,25 @@ def test_turn_pieces_join_into_the_chat_template_conversation(tokenizer):
     assert tokenizer.decode(record.token_ids) == whole
 
 
+def test_a_constrained_answer_is_closed_with_the_templates_end_of_turn_not_the_eos(tmp_path):
+    """Constrained decoding samples the answer alone; the next turn closes it. A base Qwen model's eos is
+    <|endoftext|> under a ChatML template that closes turns with <|im_end|> (the tiny tokenizer, told so): the
+    turn is closed as the template closes it, as the chat-agent record does (segments.py `end_of_turn`)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "tiny"), eos_token="<|endoftext|>")
+    record = EpisodeRecord(prompt_ids(game, tokenizer, OBS_1, first_turn=True))
+    answer = ids(tokenizer, "HIT")
+    record.add_completion(completion(record.token_ids, answer, [-0.5], version=0))
+    record.add_prompt(prompt_ids(game, tokenizer, OBS_2, first_turn=False, close_previous=True))
+    whole = tokenizer.apply_chat_template(
+        [{"role": "user", "content": game.render_prompt(OBS_1)}, {"role": "assistant", "content": "HIT"},
+         {"role": "user", "content": game.render_prompt(OBS_2)}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    assert tokenizer.decode(record.token_ids) == whole and tokenizer.eos_token_id not in record.token_ids
+
+
 def test_completion_for_another_prompt_is_refused():
     record = EpisodeRecord([1, 2, 3])
     with pytest.raises(ValueError, match="different prompt"):

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from forge_rl.weights import control
-from forge_rl.engines.vllm import worker as vllm_worker
+from forge_rl.engines.vllm.cpu import KEEP_FREED_MEMORY
 from forge_rl.weights import broadcast, layout, shm
 from forge_rl.runtime.actor import stop
 from forge_rl.core.config import GeneratorConfig
@@ -132,7 +132,7 @@ def test_vllm_workers_run_with_the_malloc_settings_that_keep_freed_memory(a):
     for worker in workers:
         with open(f"/proc/{worker.pid}/environ", "rb") as f:  # raw: setproctitle leaves NULs psutil stops at
             environment = set(f.read().decode(errors="replace").split("\0"))
-        for name, value in vllm_worker.KEEP_FREED_MEMORY.items():
+        for name, value in KEEP_FREED_MEMORY.items():
             assert f"{name}={value}" in environment, (worker, name)
 
 

@@ -181,8 +181,8 @@ def expected_return(final: pyspiel.State) -> float:
     """The player's expected return over what it never saw: the dealer's hole card and draws, dealt without
     replacement from the cards not in the player's hand and not the dealer's visible one, by OpenSpiel's
     rules (the dealer hits 16 or less; a player bust loses). Plain arithmetic on card values (suits never
-    matter): OpenSpiel replays of every outcome cost ~100x more CPU, taken from the model on a small host
-    (tests/test_env_blackjack.py checks this against such a replay)."""
+    matter): replaying every outcome in OpenSpiel costs far more CPU, which a small host takes from the
+    model (tests/test_env_blackjack.py checks this against such a replay)."""
     player = final.get_best_player_total(0)
     if player > 21:
         return -1.0

@@ -3,8 +3,8 @@ and the web UI import.
 
 - `WireClient`: OpenEnv's dict client (`GenericEnvClient`) reached through its private `_ws`, `_ws_url`,
   `_connect_timeout`, `_max_message_size`, `_send` and `_receive`, to connect without per-message
-  compression (deflating each few-hundred-byte message cost the controller a tenth of its CPU during
-  rollouts) and without a proxy on loopback; to end a session by asking the server to close it (closing
+  compression (messages are a few hundred bytes: deflate saves little on the wire and its CPU is the
+  controller's, which drives every game) and without a proxy on loopback; to end a session by asking the server to close it (closing
   first races the server's own close, which logs a traceback); and to turn the server's error messages
   into exceptions of the caller's choosing (`server_error`).
 - `replace_route`: OpenEnv's /health says only "healthy"; servers replace that route in the FastAPI app's

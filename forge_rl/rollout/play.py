@@ -11,16 +11,13 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from forge_rl.core.app import App
 from forge_rl.core.config import ConfigError, SamplingConfig
 from forge_rl.core.episode import EpisodeRecord
 from forge_rl.core.types import Episode
 from forge_rl.rollout.env_client import EpisodeAborted
-
-if TYPE_CHECKING:
-    from forge_rl.rollout.rollouts import Rollouts
+from forge_rl.rollout.segments import end_of_turn
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +41,7 @@ def prompt_ids(app: App, tokenizer, observation: dict, first_turn: bool, close_p
     the template's default); later turns continue a conversation whose earlier ids are kept as sampled, so
     only the new text is tokenized (never the whole conversation again). `close_previous`: the previous
     answer stopped without the end-of-turn token (constrained decoding samples the answer alone), so this
-    turn starts by closing it. `template_kwargs`: the config's model.chat_template_kwargs, for every turn.
+    turn starts by closing it with the chat template's (segments.py `end_of_turn`), which need not be the eos. `template_kwargs`: the config's model.chat_template_kwargs, for every turn.
     """
     kwargs = tuple(sorted((template_kwargs or {}).items()))
     system = getattr(app, "system_prompt", None)
@@ -53,7 +50,7 @@ def prompt_ids(app: App, tokenizer, observation: dict, first_turn: bool, close_p
     if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids and not _PROMPTS_WITH_UNKNOWN_WORDS:
         _PROMPTS_WITH_UNKNOWN_WORDS.append(text)  # the prompt's words are the app's to fix
         logger.warning("the tokenizer reads %s as %s in this prompt: %r", unknown_words(tokenizer, text), tokenizer.unk_token, text[:300])
-    return [tokenizer.eos_token_id] + ids if close_previous else ids
+    return [end_of_turn(tokenizer)[1]] + ids if close_previous else ids
 
 
 def unknown_words(tokenizer, text: str) -> list[str]:
@@ -108,15 +105,6 @@ def answer_token_ids(app: App, tokenizer) -> list[int]:
     return ids
 
 
-def sampling(cfg: RunConfig, allowed_token_ids: list[int] | None, greedy: bool = False, answer_length: int = 1) -> dict:
-    params = {"temperature": 0.0 if greedy else cfg.sampling.temperature, "max_tokens": cfg.sampling.max_tokens}
-    if not greedy:
-        params["top_p"] = cfg.sampling.top_p
-    if allowed_token_ids:
-        params.update(allowed_token_ids=allowed_token_ids, max_tokens=answer_length)
-    return params
-
-
 def sampling_params(config: SamplingConfig, allowed_token_ids: list[int] | None, greedy: bool = False, answer_length: int = 1) -> dict:
     """The generator's sampling dict: the config's (greedy for evaluation), restricted to the answer ids
     when decoding is constrained."""
@@ -128,8 +116,9 @@ def sampling_params(config: SamplingConfig, allowed_token_ids: list[int] | None,
     return params
 
 
-async def play_game(rollouts: Rollouts, seed: int, group_id: str, asks, reset_args: dict | None = None) -> GameResult:
+async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict | None = None) -> GameResult:
     """One whole game on its own environment session: observe, ask the policy, act, until done.
+    `rollouts`: the run's Rollouts (rollouts.py, which calls this), for its config, app, tokenizer and sessions.
     `asks`: where the game's answers come from (requests.py), shared with the other games of its group or
     evaluation. `reset_args`: besides the seed (the config's env.reset_args, or eval.reset_args over them)."""
     cfg, app, tokenizer = rollouts.cfg, rollouts.app, rollouts.tokenizer
@@ -143,7 +132,7 @@ async def play_game(rollouts: Rollouts, seed: int, group_id: str, asks, reset_ar
                 if observation["done"]:
                     break
                 if turn:
-                    unclosed = record.token_ids[-1] != tokenizer.eos_token_id
+                    unclosed = record.token_ids[-1] != end_of_turn(tokenizer)[1]
                     record.add_prompt(prompt_ids(app, tokenizer, observation, False, unclosed, template))
                 completion = await asks.answer(list(record.token_ids), previous)
                 previous = (tuple(completion.prompt_ids), tuple(completion.token_ids))

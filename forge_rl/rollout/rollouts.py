@@ -3,23 +3,26 @@
     rollouts.group(seed) -> G episodes dealt from one seed (None when one of them was lost)
 
 It owns the environment sessions, the batcher that sends the games' requests to the policy together,
-the chat server of agent apps, and its counters (games played and aborted, the recent rewards the
-progress bar shows). The policy is any object with `route(endpoint, ...)` (a Service of Generators).
+the chat server of agent apps, and its counters (games played and aborted, groups dropped for a game
+without an episode, the recent rewards the progress bar shows). The policy is any object with `route(endpoint, ...)` (a Service of Generators).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from forge_rl.core.app import App
 from forge_rl.core.config import RunConfig
 from forge_rl.core.types import Completion, Episode
+from forge_rl.rollout.agents import play_agent, stop_chat_server
 from forge_rl.rollout.batching import RequestBatcher
 from forge_rl.rollout.play import GameResult, play_game, sampling_params
 from forge_rl.rollout.requests import SharedRequests
 from forge_rl.rollout.sessions import SessionPool
 
-GROUPS_LOST_BEFORE_GIVING_UP = 20  # groups in a row whose every game was aborted: the environment is gone
+GROUPS_LOST_BEFORE_GIVING_UP = 20  # groups in a row lost (every game aborted, or a game without an episode)
+logger = logging.getLogger(__name__)
 
 
 async def gather_or_cancel(coroutines) -> list:
@@ -35,7 +38,11 @@ async def gather_or_cancel(coroutines) -> list:
         raise
 
 
-class EnvironmentLost(RuntimeError):
+class GroupsLost(RuntimeError):
+    """Every one of many groups in a row gave nothing to train on: the run stops (the next would too)."""
+
+
+class EnvironmentLost(GroupsLost):
     """No game can be played any more (the environment server stopped answering): the run stops."""
 
 
@@ -52,7 +59,8 @@ class Rollouts:
         self.agents = None  # agent apps: the task starting the chat server (rollout/agents.py)
         self.episodes_played = 0
         self.aborted_games = 0
-        self.groups_lost_in_a_row = 0  # groups whose every game was aborted, since the last one that was not
+        self.groups_without_episodes = 0  # dropped: a game ended, not aborted, with nothing to train on
+        self.groups_lost_in_a_row = 0  # groups aborted whole or dropped, since the last one that was neither
         self.last_abort = ""  # why the last aborted game was
         self.recent: list[tuple[float, bool]] = []  # (reward, invalid) of recent training games
 
@@ -70,8 +78,6 @@ class Rollouts:
     async def play(self, seed: int, group_id: str, asks, reset_args: dict | None = None) -> GameResult:
         """One game, or one agent run for an agent app (same arguments, same result)."""
         if self.app.is_agent:
-            from forge_rl.rollout.agents import play_agent
-
             return await play_agent(self, seed, group_id, asks, reset_args)
         return await play_game(self, seed, group_id, asks, reset_args)
 
@@ -82,7 +88,19 @@ class Rollouts:
         results = await gather_or_cancel(self.play(seed, f"seed{seed}", shared) for _ in range(size))
         self.episodes_played += len(results)
         self.aborted_games += sum(r.aborted for r in results)
-        self.groups_lost_in_a_row = self.groups_lost_in_a_row + 1 if all(r.aborted for r in results) else 0
+        # A game that ended without asking the policy (an agent that never called the model, a game done at
+        # reset) has no episode: its group is not comparable, so it is dropped, and said so.
+        empty = sum(not r.aborted and not r.episodes for r in results)
+        if empty:
+            self.groups_without_episodes += 1
+            logger.warning("group on seed %d dropped: %d of its games ended without asking the policy", seed, empty)
+        lost = empty or all(r.aborted for r in results)
+        self.groups_lost_in_a_row = self.groups_lost_in_a_row + 1 if lost else 0
+        if self.groups_lost_in_a_row >= GROUPS_LOST_BEFORE_GIVING_UP and empty:
+            raise GroupsLost(
+                f"the last {self.groups_lost_in_a_row} groups were dropped, the last for {empty} games that ended "
+                "without asking the policy: an agent must call the model (ctx.base_url), a game must reach a decision"
+            )
         if self.groups_lost_in_a_row >= GROUPS_LOST_BEFORE_GIVING_UP:
             raise EnvironmentLost(
                 f"every game of the last {self.groups_lost_in_a_row} groups was aborted (last: {self.last_abort}): "
@@ -99,7 +117,5 @@ class Rollouts:
 
     async def close(self) -> None:
         if self.agents is not None:
-            from forge_rl.rollout.agents import stop_chat_server
-
             await stop_chat_server(self)
         await self.sessions.close()

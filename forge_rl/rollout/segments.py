@@ -25,9 +25,9 @@ behaviour log-prob and versions[i] the policy version that sampled it.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
-
 
 from forge_rl.core.episode import EpisodeRecord
 from forge_rl.core.types import Completion
@@ -69,8 +69,7 @@ class Renderer:
 
     def __init__(self, tokenizer, template_kwargs: dict | None = None):
         self.tokenizer, self.template_kwargs = tokenizer, dict(template_kwargs or {})  # model.chat_template_kwargs
-        self.end_text = end_of_turn(tokenizer)
-        (self.end_id,) = self.ids(self.end_text)
+        self.end_text, self.end_id = end_of_turn(tokenizer)
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -81,10 +80,12 @@ class Renderer:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def end_of_turn(tokenizer) -> str:
+@functools.lru_cache(maxsize=16)
+def end_of_turn(tokenizer) -> tuple[str, int]:
     """The token the chat template closes an assistant turn with, read from the template itself: a base
     model's eos (Qwen's <|endoftext|>) need not be it (its ChatML template closes turns with <|im_end|>).
-    The eos when the template puts no special token right after the reply."""
+    The eos when the template puts no special token right after the reply. (text, id); the one definition
+    both forms of an app use (play.py too), cached per tokenizer since every turn asks."""
     mark = "forge_rl_reply_end"
     conversation = [{"role": "user", "content": "u"}, {"role": "assistant", "content": mark}]
     try:
@@ -93,11 +94,10 @@ def end_of_turn(tokenizer) -> str:
     except Exception:  # no template, or one that drops the reply
         after = ""
     special = sorted((t for t in tokenizer.all_special_tokens if t and after.startswith(t)), key=len, reverse=True)
-    if special:
-        return special[0]
-    if tokenizer.eos_token is None:
-        raise ValueError("the chat server needs a chat template that ends a turn with a special token, or an eos token")
-    return tokenizer.eos_token
+    if not special and tokenizer.eos_token is None:
+        raise ValueError("a chat template that ends a turn with a special token is needed, or an eos token")
+    end = special[0] if special else tokenizer.eos_token
+    return end, tokenizer.convert_tokens_to_ids(end)
 
 
 @dataclass

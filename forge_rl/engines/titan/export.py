@@ -1,6 +1,7 @@
 """A trained policy as a plain Hugging Face directory: what transformers, vLLM and PEFT load.
 
     out/config.json, generation_config.json, the tokenizer files and chat template   copied from the model directory
+                                                                                     (config.json's dtype: the weights')
     out/model.safetensors                                                            the weights (LoRA merged in)
     out/adapter/adapter_config.json, adapter_model.safetensors                       LoRA runs: the adapter alone, PEFT's layout
 
@@ -10,6 +11,7 @@ Written into a temporary directory beside `out` and renamed at the end: an expor
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from forge_rl.engines.titan import lora as lora_layers
 
 PEFT_PREFIX = "base_model.model."
+TIED_HEAD = "lm_head.weight"  # HF's name of the output head, absent from a checkpoint whose embeddings it shares
 
 
 def export_hf(model: torch.nn.Module, adapter, model_dir: str | Path, out: str | Path, lora=None) -> None:
@@ -38,8 +41,9 @@ def export_hf(model: torch.nn.Module, adapter, model_dir: str | Path, out: str |
             if file.is_file() and not file.name.endswith((".safetensors", ".safetensors.index.json")):
                 shutil.copy(file, tmp / file.name)
         weights = merged(state, model) if lora is not None else state
-        hf = {k: v.contiguous().clone() for k, v in adapter.to_hf(weights).items() if k in saved_names(model_dir)}
+        hf = checkpoint_tensors(adapter.to_hf(weights), model_dir)
         save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_dtype(tmp / "config.json", {v.dtype for v in hf.values()})
         if lora is not None:
             write_peft_adapter(state, model, adapter, lora, model_dir, tmp / "adapter")
         if out.exists():
@@ -47,6 +51,31 @@ def export_hf(model: torch.nn.Module, adapter, model_dir: str | Path, out: str |
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def checkpoint_tensors(converted: dict[str, torch.Tensor], model_dir: Path) -> dict[str, torch.Tensor]:
+    """The converted tensors the model directory's checkpoint holds. Only a tied output head may be left out
+    (HF rebuilds it from the embeddings); any other missing name means the export would lose trained weights."""
+    saved = saved_names(model_dir)
+    tied = json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings", False)
+    missing = sorted(k for k in converted if k not in saved and not (tied and k == TIED_HEAD))
+    if missing:
+        raise ValueError(
+            f"export: {len(missing)} trained tensors ({', '.join(missing[:3])}) are not in {model_dir}'s checkpoint; "
+            "only a tied output head may be left out: export against the model directory the run trained"
+        )
+    return {k: v.contiguous().clone() for k, v in converted.items() if k in saved}
+
+
+def write_dtype(config: Path, dtypes: set[torch.dtype]) -> None:
+    """config.json says the dtype model.safetensors holds: the trainer keeps fp32 master weights, so a model
+    whose config says bf16 is written in fp32 (casting would round away small updates) and said so."""
+    (dtype,) = dtypes
+    hf_config = json.loads(config.read_text())
+    name = str(dtype).removeprefix("torch.")
+    for key in [k for k in ("torch_dtype", "dtype") if k in hf_config] or ["torch_dtype"]:
+        hf_config[key] = name
+    config.write_text(json.dumps(hf_config, indent=2) + "\n")
 
 
 def saved_names(model_dir: Path) -> set[str]:

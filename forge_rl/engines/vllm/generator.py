@@ -9,9 +9,10 @@ What it is not: a scheduler, a tokenizer or a chat renderer. Prompts arrive as t
 renders them) and batching across concurrent callers is vLLM's continuous batching.
 
 Sampling dict: any vLLM `SamplingParams` field (temperature, top_p, top_k, max_tokens, n, seed, stop,
-stop_token_ids, min_tokens, ...) plus `choices`: a list of strings the answer must be one of (vLLM
-structured outputs), e.g. {"temperature": 1.0, "max_tokens": 4, "choices": ["HIT", "STAND"]}. The
-generator owns `logprobs` (always the sampled token's), `structured_outputs` and `output_kind`.
+stop_token_ids, min_tokens, allowed_token_ids, ...). The generator owns `logprobs` (always the sampled
+token's) and `output_kind`. Structured outputs (`structured_outputs`, a list of `choices`) are refused: the
+trainer scores what it can mirror (model.py `sampling_logits`: temperature, allowed_token_ids), and a
+grammar's mask changes with every prefix; constrain answers with allowed_token_ids (sampling.constrained).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from monarch.actor import concurrent_endpoint, endpoint
 from forge_rl import weights
 from forge_rl.core.config import GeneratorConfig
 from forge_rl.core.types import Completion
-from forge_rl.engines.vllm.worker import cpu_environment
+from forge_rl.engines.vllm.cpu import cpu_environment
 from forge_rl.runtime.actor import ForgeActor
 from forge_rl.runtime.service import ReplicaDead
 from forge_rl.weights import control, shm
@@ -40,7 +41,8 @@ from forge_rl.weights.layout import StaleWeightsError
 WORKER_EXTENSION = "forge_rl.engines.vllm.worker.WeightSyncExtension"
 logger = logging.getLogger(__name__)
 CPU_BLOCK_SIZE = 32  # the smallest the CPU attention kernels take (a multiple of 32)
-GENERATOR_OWNED_KEYS = ("logprobs", "structured_outputs", "output_kind")
+GENERATOR_OWNED_KEYS = ("logprobs", "output_kind")
+UNMIRRORED_KEYS = ("choices", "structured_outputs")  # see the module docstring
 
 
 def engine_args(model_path: str, dtype: str, config: GeneratorConfig, seed: int = 0):
@@ -74,18 +76,21 @@ def engine_args(model_path: str, dtype: str, config: GeneratorConfig, seed: int 
 def sampling_params(sampling: dict):
     """The sampling dict (see the module docstring) -> vLLM SamplingParams returning only the final output."""
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+    from vllm.sampling_params import RequestOutputKind
 
-    sampling = dict(sampling)
     owned = [k for k in GENERATOR_OWNED_KEYS if k in sampling]
     if owned:
         raise ValueError(f"sampling: {owned} are set by the Generator; remove them from the sampling dict")
-    choices = sampling.pop("choices", None)
-    structured = StructuredOutputsParams(choice=list(choices)) if choices else None
+    unmirrored = [k for k in UNMIRRORED_KEYS if k in sampling]
+    if unmirrored:
+        raise ValueError(
+            f"sampling: {unmirrored} refused: the trainer cannot score a structured output's distribution; "
+            "constrain answers with allowed_token_ids (sampling.constrained) instead"
+        )
     try:
-        return SamplingParams(**sampling, logprobs=0, structured_outputs=structured, output_kind=RequestOutputKind.FINAL_ONLY)
+        return SamplingParams(**sampling, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
     except TypeError as e:
-        raise ValueError(f"sampling: {e}; keys are vLLM SamplingParams fields plus 'choices'") from None
+        raise ValueError(f"sampling: {e}; keys are vLLM SamplingParams fields") from None
 
 
 class WeightGate:

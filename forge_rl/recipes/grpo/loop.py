@@ -25,7 +25,7 @@ from forge_rl.recipes.grpo.learner import Learner
 from forge_rl.recipes.grpo.state import RunState
 from forge_rl.recipes.metrics import MetricsLogger
 from forge_rl.rollout.evaluation import Evaluation, figures
-from forge_rl.rollout.rollouts import EnvironmentLost, Rollouts
+from forge_rl.rollout.rollouts import GroupsLost, Rollouts
 from forge_rl.runtime.actor import call
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ async def rollout_worker(job: Job) -> None:
             if group:
                 await call(job.buffer, "add", group, timeout_s=BUFFER_TIMEOUT_S)
             failures_in_a_row = 0
-        except EnvironmentLost:
+        except GroupsLost:  # counted and bounded by Rollouts itself
             raise
         except Exception as e:
             job.rollout_errors += 1
@@ -174,9 +174,9 @@ async def warn_if_stalled(job: Job, since: float) -> float:
     logger.warning(
         "no train step for %.0f s: the replay buffer holds %d of the %d groups a step needs (groups added %d, "
         "refused for equal rewards %d, evicted as older than max_policy_age %d; games played %d, aborted %d, "
-        "groups lost to errors %d)",
+        "groups lost to errors %d, dropped for a game without an episode %d)",
         time.time() - since, stats["groups"], job.cfg.grpo.batch_size, stats["added"], stats["filtered_zero_spread"],
-        stats["evicted_stale"], rollouts.episodes_played, rollouts.aborted_games, job.rollout_errors,
+        stats["evicted_stale"], rollouts.episodes_played, rollouts.aborted_games, job.rollout_errors, rollouts.groups_without_episodes,
     )
     return time.time()
 
@@ -202,6 +202,7 @@ async def train(job: Job, progress, workers: list[asyncio.Task]) -> None:
             "train/episodes_per_s": (rollouts.episodes_played - episodes_at_start) / (time.time() - start),
             "rollout/errors": job.rollout_errors,
             "rollout/aborted_games": rollouts.aborted_games,
+            "rollout/groups_without_episodes": rollouts.groups_without_episodes,
         })
         if job.in_flight is not None:
             values.update({"rollout/groups_in_flight": len(job.in_flight), "rollout/admission_waits": job.in_flight.waits})
