@@ -1,6 +1,7 @@
 """The code sandbox where it is easy to get wrong: a checkout and virtualenv under /tmp (bwrap mounts a tmpfs
-there), a server without root in rlimits mode (its programs share its uid), and an interpreter that cannot run
-programs at all (every program would silently score 0)."""
+there), a server without root in rlimits mode (its programs share its uid), an interpreter that cannot run
+programs at all (every program would silently score 0), and a checkout only its owner can read (the checks run
+as another user must not import from it)."""
 
 import json
 import os
@@ -57,6 +58,30 @@ def test_bwrap_works_from_a_checkout_and_virtualenv_under_tmp(monkeypatch):
         shutil.rmtree(top, ignore_errors=True)
 
 
+def as_another_user(script: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`python -c script CODE` as a user other than root when the suite runs as root (a uid of this test run's
+    own, so no other test's processes share it), else as this user. CODE is a folder holding a copy of
+    apps/coder that this user can read: the checkout may be readable by its owner only (a root's /root/..., a
+    `mktemp -d` folder), and the script imports the sandbox from CODE, never from the checkout."""
+    code = Path(tempfile.mkdtemp(prefix="forge_rl_sandbox_code_"))
+    try:
+        (code / "apps").mkdir()
+        shutil.copy(ROOT / "apps" / "__init__.py", code / "apps")
+        shutil.copytree(ROOT / "apps" / "coder", code / "apps" / "coder", ignore=shutil.ignore_patterns("__pycache__"))
+        for folder, _, files in os.walk(code):  # whatever the checkout's modes: readable by all
+            os.chmod(folder, 0o755)
+            for name in files:
+                os.chmod(os.path.join(folder, name), 0o644)
+        root = os.geteuid() == 0
+        uid = 2_100_000_000 + os.getpid() % 1_000_000  # above every uid pool of a root server (sandbox.uid_pool)
+        user = {"user": uid, "group": uid, "extra_groups": []} if root else {}
+        python = default_python() if root else sys.executable  # one that user can run
+        return subprocess.run([python, "-c", script, str(code)], capture_output=True, text=True, timeout=180, cwd="/",
+                              env={"PATH": os.environ["PATH"], **env}, **user)  # fmt: skip
+    finally:
+        shutil.rmtree(code, ignore_errors=True)
+
+
 # Run by a user other than root: a program in rlimits mode tries to kill the process that made the sandbox,
 # read its environment, and survive its run; the script reports what it saw.
 NOT_ROOT = textwrap.dedent("""
@@ -93,16 +118,29 @@ NOT_ROOT = textwrap.dedent("""
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="no util-linux unshare here")
 def test_rlimits_without_root_keeps_the_server_out_of_reach():
-    """rlimits mode as a user other than root (nobody, when the suite runs as root): each program runs in
+    """rlimits mode as a user other than root (a uid of its own, when the suite runs as root): each program runs in
     its own PID namespace (util-linux unshare in a user namespace), so neither a run nor a graded program
     can signal the process that runs the sandbox or read its /proc entries, and nothing outlives a run."""
-    user = {"user": 65534, "group": 65534, "extra_groups": []} if os.geteuid() == 0 else {}
-    python = default_python() if os.geteuid() == 0 else sys.executable  # one the user nobody can run
-    proc = subprocess.run([python, "-c", NOT_ROOT, str(ROOT)], capture_output=True, text=True, timeout=120, cwd="/",
-                          env={"PATH": os.environ["PATH"], "FORGE_SANDBOX_SECRET": "1"}, **user)
+    proc = as_another_user(NOT_ROOT, {"FORGE_SANDBOX_SECRET": "1"})
     if proc.returncode == 0 and not json.loads(proc.stdout)["unshare"]:
         pytest.skip("user namespaces are not allowed here: the documented fallback (the server's uid) applies")
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     seen = json.loads(proc.stdout)
     assert seen["stdout"].split() == ["refused", "FileNotFoundError", "refused", "ProcessLookupError"], seen
     assert not seen["secret_seen"] and seen["graded"] == [None] and not seen["survivors"], seen
+
+
+def test_the_other_user_checks_run_from_a_checkout_only_its_owner_can_read(tmp_path):
+    """`make test` in a root's /root/... or a `mktemp -d` folder (mode 0700, as pytest's tmp_path): the checks
+    run as another user pass there too. They imported the sandbox from the checkout, which that user cannot
+    read (measured: ModuleNotFoundError: No module named 'apps')."""
+    if os.geteuid() != 0:
+        pytest.skip("the checks run as this user, who can read its checkout")
+    checkout = tmp_path / "checkout"
+    for folder in ("apps", "forge_rl", "tests"):
+        shutil.copytree(ROOT / folder, checkout / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", checkout)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", "-k", "without_root",
+                           "tests/test_sandbox.py"], cwd=checkout, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(checkout)})  # fmt: skip
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
