@@ -18,6 +18,7 @@ import pytest
 from apps.coder.isolation import default_python, detect_isolation
 from apps.coder.sandbox import Sandbox
 from forge_rl.envs.local import launch_local
+from forge_rl.rollout.env_client import EnvError
 from tests.test_env_code_task import episode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,6 +83,31 @@ def as_another_user(script: str, env: dict[str, str]) -> subprocess.CompletedPro
         shutil.rmtree(code, ignore_errors=True)
 
 
+@pytest.mark.parametrize("mode", sorted({detect_isolation(), "rlimits"}))
+def test_a_sandbox_failing_after_its_check_is_reported_and_never_graded(mode):
+    """The programs' interpreter goes away after the server's start-up check (as a process limit reached later,
+    or anything else that keeps a child from starting): a submission gets an error saying the sandbox failed,
+    not a score of 0 (bwrap's exec failing graded as a program that did not load), and nothing is remembered:
+    once the interpreter is back, the same right answer scores 1 and the server kept answering throughout."""
+    folder = Path(tempfile.mkdtemp(prefix="forge_rl_python_"))
+    os.chmod(folder, 0o755)  # the runs' uids must reach the interpreter
+    python = folder / "python3"
+    python.symlink_to(default_python())
+    right = {"code": "(x+7)", "submit": True}  # not plain arithmetic: graded in the sandbox, not computed
+    try:
+        env = {"SANDBOX_ISOLATION": mode, "SANDBOX_PYTHON": str(python), "SANDBOX_TIMEOUT_S": "5"}
+        with launch_local("apps.coder.env", env=env, max_concurrent_envs=2, timeout_s=180) as server:
+            python.unlink()
+            with pytest.raises(EnvError, match="sandbox could not start a program"):
+                episode(server, {"seed": 3}, right)
+            with pytest.raises(EnvError, match="sandbox could not start a program"):
+                episode(server, {"seed": 3, "max_turns": 2}, {"code": "print(1)"})
+            python.symlink_to(default_python())
+            assert episode(server, {"seed": 3}, right)[-1]["reward"] == 1.0
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 # Run by a user other than root: a program in rlimits mode tries to kill the process that made the sandbox,
 # read its environment, and survive its run; the script reports what it saw.
 NOT_ROOT = textwrap.dedent("""
@@ -128,6 +154,57 @@ def test_rlimits_without_root_keeps_the_server_out_of_reach():
     seen = json.loads(proc.stdout)
     assert seen["stdout"].split() == ["refused", "FileNotFoundError", "refused", "ProcessLookupError"], seen
     assert not seen["secret_seen"] and seen["graded"] == [None] and not seen["survivors"], seen
+
+
+# Run by a user other than root: sandboxes are made (and check themselves) first; then other processes of the
+# same user start, as the trainer's and vLLM's do beside a code server launched by the run (hundreds of
+# threads); then a program forks, a graded function forks, and a fork bomb counts the processes it got.
+CROWDED = textwrap.dedent("""
+    import json, os, subprocess, sys
+    sys.path.insert(0, sys.argv[1])
+    from apps.coder.grading import grade
+    from apps.coder.isolation import detect_isolation
+    from apps.coder.sandbox import Limits, Sandbox
+
+    modes = ["rlimits"] + (["bwrap"] if detect_isolation() == "bwrap" else [])
+    sandboxes = {mode: Sandbox(Limits(timeout_s=10), isolation=mode) for mode in modes}
+    sandboxes["rlimits, the server's uid"] = Sandbox(Limits(timeout_s=10), isolation="rlimits")
+    sandboxes["rlimits, the server's uid"]._unshare = []  # as where user namespaces are not allowed
+    crowd = subprocess.Popen([sys.executable, "-c", "import sys, threading, time\\n"
+                              "for _ in range(300):\\n    threading.Thread(target=time.sleep, args=(300,), daemon=True).start()\\n"
+                              "print('up', flush=True)\\nsys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert crowd.stdout.readline() == "up\\n"
+    fork = "import os\\npid = os.fork()\\nif pid == 0:\\n    os._exit(7)\\nprint(os.waitpid(pid, 0)[1] >> 8)"
+    forks = "import os\\ndef f(x):\\n    pid = os.fork()\\n    if pid == 0:\\n        os._exit(x)\\n    return os.waitpid(pid, 0)[1] >> 8\\n"
+    bomb = ("import os, time\\nn = 0\\nwhile n < 200:\\n    try:\\n        pid = os.fork()\\n    except OSError:\\n        break\\n"
+            "    if pid == 0:\\n        time.sleep(60)\\n        os._exit(0)\\n    n += 1\\nprint(n)")
+    seen = {}
+    for mode, sandbox in sandboxes.items():
+        run = sandbox.run(fork)
+        seen[mode] = {"fork": run.stdout, "stderr": run.stderr[-500:], "graded": grade(sandbox, forks, "f", ["assert f(3) == 3"]),
+                      "bomb": sandbox.run(bomb).stdout}
+    crowd.stdin.close()
+    crowd.wait()
+    print(json.dumps(seen))
+""")
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="no util-linux unshare here")
+def test_without_root_a_run_counts_its_own_processes_not_its_users():
+    """Without root, a program shares its uid with the server and with whatever else that user runs (a run's
+    trainer and vLLM, beside the code server it launched). RLIMIT_NPROC counts every process of a uid, so a limit
+    of 32 on top of the server's own threads left no process to a program once they were running: its fork
+    failed with EAGAIN, so did `unshare --fork` before it (the start-up check, made before them, passed), and
+    each such run graded as a wrong answer. In a user namespace of the run's own the limit counts only the
+    run's processes: a program forks, a graded function forks, and a fork bomb still stops at the limit. Where
+    user namespaces are not allowed, the limit is what the user runs at the start of the run plus 32."""
+    proc = as_another_user(CROWDED, {})
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    for mode, seen in json.loads(proc.stdout).items():
+        assert seen["fork"] == "7\n" and seen["graded"] == [None], (mode, seen)
+        # Sharing the uid, the bomb also gets the slots of the user's processes that ended after the count
+        # (the previous runs' still going away): the bound is looser there.
+        assert 16 <= int(seen["bomb"]) < (32 if "uid" not in mode else 64), (mode, seen)
 
 
 def test_the_other_user_checks_run_from_a_checkout_only_its_owner_can_read(tmp_path):

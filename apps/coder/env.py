@@ -201,7 +201,8 @@ def graded(sandbox: Sandbox, task: Task, code: str) -> tuple[int, int]:
     """(tests passed, tests total) of `code` on `task`, remembered: the G games of a training group
     often submit the same answer, and a grading costs a sandboxed process (tens of ms) where a look-up
     costs nothing. A program whose result varies between runs keeps its first grade; one that timed out
-    (perhaps only because the host was busy) is not remembered."""
+    (perhaps only because the host was busy) is not remembered, nor is a sandbox that could not start it:
+    SandboxError goes up, and the step fails saying so."""
     key = (task.task_id, code)
     if key in _GRADES:
         return _GRADES[key]
