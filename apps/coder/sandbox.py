@@ -17,12 +17,11 @@ call its own PID namespace and /proc where user namespaces allow (`unshare`): th
 its reach; where not, it shares the server's uid and can signal it. A sandbox checks itself when made
 (a known program must run and print, or it raises).
 
-RLIMIT_NPROC counts the processes of the run's uid in its innermost user namespace, so it is lowered
-inside the child (the prologue, before the caller's code), after bwrap or unshare made that namespace:
-without root the uid is also the server's user's, whose other processes (a run's trainer and vLLM) would
-otherwise count, and leave a program no fork. The prologue then writes one byte: a child that never
-writes it did not start (a process limit reached, the interpreter gone): that is the sandbox failing,
-not the program, so it is retried, then raised as SandboxError, never returned as the program's result.
+RLIMIT_NPROC counts the processes of the run's uid in its innermost user namespace, so the child lowers it
+itself (the prologue, before the caller's code), in the namespace bwrap or unshare made: else, without
+root, every process of the server's user (a run's trainer and vLLM) counts and leaves a program no fork.
+The prologue then writes one byte: a child that never writes it did not start (a process limit reached,
+the interpreter gone), a failure of the sandbox, not the program: retried, then raised as SandboxError.
 
 Grading is not `run`'s: a program can forge anything its own process reports. `process` is the
 piece for grading out of the program's process (grading.py, used by both servers).
@@ -125,13 +124,10 @@ def _tasks_of(uid: int) -> int:
     """Processes and threads of `uid` (real uid) on this host now: what RLIMIT_NPROC counts for it."""
     total = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                status = f.read()
-        except OSError:
-            continue
-        if int(status.split("\nUid:")[1].split()[0]) == uid:
-            total += int(status.split("\nThreads:")[1].split()[0])
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:  # (a process gone meanwhile)
+            status = f.read()
+            if int(status.split("\nUid:")[1].split()[0]) == uid:
+                total += int(status.split("\nThreads:")[1].split()[0])
     return total
 
 
@@ -206,6 +202,16 @@ class Sandbox:
             why = f"a known program printed {result.stdout[:100]!r} and exited {result.exit_code}: {last}"
         raise RuntimeError(f"the {self.isolation} sandbox cannot run programs with {self.python} ({why}); "
                            "check SANDBOX_PYTHON and SANDBOX_ISOLATION")
+
+    def readable(self, paths: list[str]) -> list[str]:
+        """Those of `paths` a program run here can read, found by running one: what this mode's hiding, the
+        runs' uid and the files' modes leave within its reach."""
+        probe = (f"for path in {list(paths)!r}:\n    try:\n        open(path, 'rb').read(1)\n        print(path)\n"
+                 "    except OSError:\n        pass\n")  # fmt: skip
+        result = self.run(probe)
+        if result.exit_code != 0:
+            raise SandboxError(f"a probe of what programs can read failed: {result.stderr.strip()[-300:]}")
+        return [path for path in result.stdout.splitlines() if path in paths]
 
     def _command(self, harness: str, args: list[str], info_w: int, discard_stderr: bool) -> list[str]:
         """`python -I -c <prologue + harness> *args` as this sandbox starts it: in bwrap (which reports on `info_w`),
@@ -283,10 +289,9 @@ class Sandbox:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         os.set_blocking(proc.stderr.fileno(), False)
-        try:
+        said = []
+        with contextlib.suppress(BlockingIOError):
             said = os.read(proc.stderr.fileno(), 1 << 16).decode("utf-8", "replace").strip().splitlines()
-        except BlockingIOError:
-            said = []
         return said[-1][:300] if said else f"it exited {proc.returncode} before it started, saying nothing"
 
     def _release(self, uid: int | None, workdir: str | None) -> None:
