@@ -207,6 +207,33 @@ def test_without_root_a_run_counts_its_own_processes_not_its_users():
         assert 16 <= int(seen["bomb"]) < (32 if "uid" not in mode else 64), (mode, seen)
 
 
+# Run by a user other than root: a file of that user's stands for a task set's data; each mode's probe
+# says whether a program could read it (the code-task server refuses a task set whose data it could).
+READABLE = textwrap.dedent("""
+    import json, os, shutil, sys, tempfile
+    sys.path.insert(0, sys.argv[1])
+    from apps.coder.isolation import detect_isolation
+    from apps.coder.sandbox import Limits, Sandbox
+
+    data = tempfile.mkdtemp()
+    with open(os.path.join(data, "tests.jsonl"), "w") as f:
+        f.write("{}")
+    modes = ["rlimits"] + (["bwrap"] if detect_isolation() == "bwrap" else [])
+    print(json.dumps({m: Sandbox(Limits(timeout_s=10), isolation=m, hidden=(data,)).readable([f.name]) for m in modes}))
+    shutil.rmtree(data)
+""")
+
+
+def test_without_root_a_program_reads_what_its_user_reads_unless_bwrap_hides_it():
+    """What the refusal of HumanEval rests on, without root (as root the server's tests cover both modes): a
+    program in rlimits mode runs as the server's user and reads its files, so the probe finds them and the
+    server would refuse the task set; bwrap hides the folder, and the probe finds nothing."""
+    proc = as_another_user(READABLE, {})
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    for mode, reached in json.loads(proc.stdout).items():
+        assert (len(reached) == 1) == (mode == "rlimits"), (mode, reached)
+
+
 def test_the_other_user_checks_run_from_a_checkout_only_its_owner_can_read(tmp_path):
     """`make test` in a root's /root/... or a `mktemp -d` folder (mode 0700, as pytest's tmp_path): the checks
     run as another user pass there too. They imported the sandbox from the checkout, which that user cannot
