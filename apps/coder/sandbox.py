@@ -17,6 +17,12 @@ call its own PID namespace and /proc where user namespaces allow (`unshare`): th
 its reach; where not, it shares the server's uid and can signal it. A sandbox checks itself when made
 (a known program must run and print, or it raises).
 
+RLIMIT_NPROC counts the processes of the run's uid in its innermost user namespace, so the child lowers it
+itself (the prologue, before the caller's code), in the namespace bwrap or unshare made: else, without
+root, every process of the server's user (a run's trainer and vLLM) counts and leaves a program no fork.
+The prologue then writes one byte: a child that never writes it did not start (a process limit reached,
+the interpreter gone), a failure of the sandbox, not the program: retried, then raised as SandboxError.
+
 Grading is not `run`'s: a program can forge anything its own process reports. `process` is the
 piece for grading out of the program's process (grading.py, used by both servers).
 """
@@ -29,6 +35,7 @@ import math
 import os
 import queue
 import resource
+import select
 import selectors
 import shutil
 import signal
@@ -38,6 +45,18 @@ import time
 from dataclasses import dataclass
 
 from apps.coder.isolation import bwrap_argv, default_python, detect_isolation, interpreter_dirs_under_tmp, own_pid_namespace
+
+# Runs first in every child, before the caller's harness: the process limit (see the module's docstring),
+# stderr to /dev/null where the caller discards it, then the byte that says the child started.
+_PROLOGUE = """import os, resource
+resource.setrlimit(resource.RLIMIT_NPROC, ({nproc}, {nproc}))
+if {discard_stderr}:
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+os.write(1, b"\\0")
+"""
+_STARTED = b"\0"
+START_ATTEMPTS = 3  # a child that did not start is tried again, after 0.5 s, then 1 s
+START_LIMIT_S = 30.0  # the most a child may take to start (the program's timeout starts after)
 
 # Runs inside the child: reads the program (a JSON string) from stdin and runs it as __main__.
 _HARNESS = r"""
@@ -66,6 +85,10 @@ def uid_pool(pid: int) -> range:
     return range(base, base + _UID_POOL_SIZE)
 
 
+class SandboxError(RuntimeError):
+    """The sandbox could not start a program: a failure of the host, not of the program, never a result."""
+
+
 @dataclass
 class Limits:
     """Per-run limits. cpu_s defaults to the wall-clock timeout rounded up, plus one."""
@@ -74,7 +97,7 @@ class Limits:
     cpu_s: int | None = None
     memory_mb: int = 1024  # address space (RLIMIT_AS)
     file_size_mb: int = 16  # largest file the program may write (RLIMIT_FSIZE)
-    max_processes: int = 32  # RLIMIT_NPROC, for this run's uid when the server is root
+    max_processes: int = 32  # RLIMIT_NPROC: this run's processes (and threads), the interpreter included
     tmpfs_mb: int = 64  # working directory size in bwrap mode
     output_bytes: int = 64 * 1024  # stdout/stderr kept per stream; the rest is dropped
     output_kill_bytes: int = 16 * 1024 * 1024  # total output past which the run is killed
@@ -95,6 +118,17 @@ class ExecutionResult:
 def _environment(home: str) -> dict[str, str]:
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8",
             "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
+
+
+def _tasks_of(uid: int) -> int:
+    """Processes and threads of `uid` (real uid) on this host now: what RLIMIT_NPROC counts for it."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:  # (a process gone meanwhile)
+            status = f.read()
+            if int(status.split("\nUid:")[1].split()[0]) == uid:
+                total += int(status.split("\nThreads:")[1].split()[0])
+    return total
 
 
 def _wait_for_namespace(info_r: int, limit_s: float = 10.0) -> None:
@@ -126,7 +160,7 @@ class Sandbox:
     uid swept with SIGKILL (the kernel may take a moment to reap those). Its working directory
     is gone. The uid goes back to the pool (FIFO) only after that. Not guaranteed in rlimits
     mode without root and without a PID namespace of its own: a process that leaves the group and
-    sleeps survives the run.
+    sleeps survives the run. A result always comes from a child that started: else SandboxError.
     """
 
     def __init__(
@@ -159,7 +193,7 @@ class Sandbox:
         executable by the runs' uid) would grade every program as a wrong answer, silently."""
         try:
             result = self.run("print('forge_rl sandbox check')")
-        except OSError as e:  # rlimits mode: the interpreter did not start
+        except SandboxError as e:
             why = str(e)
         else:
             if result.stdout == "forge_rl sandbox check\n" and result.exit_code == 0:
@@ -169,69 +203,99 @@ class Sandbox:
         raise RuntimeError(f"the {self.isolation} sandbox cannot run programs with {self.python} ({why}); "
                            "check SANDBOX_PYTHON and SANDBOX_ISOLATION")
 
-    def _command(self, args: list[str], info_w: int) -> list[str]:
-        """`python -I *args` as this sandbox starts it: in bwrap (which reports on `info_w`), or in rlimits mode
-        in a PID namespace of its own where one can be made without root."""
-        command = [self.python, "-I", *args]
+    def readable(self, paths: list[str]) -> list[str]:
+        """Those of `paths` a program run here can read, found by running one: what this mode's hiding, the
+        runs' uid and the files' modes leave within its reach."""
+        probe = (f"for path in {list(paths)!r}:\n    try:\n        open(path, 'rb').read(1)\n        print(path)\n"
+                 "    except OSError:\n        pass\n")  # fmt: skip
+        result = self.run(probe)
+        if result.exit_code != 0:
+            raise SandboxError(f"a probe of what programs can read failed: {result.stderr.strip()[-300:]}")
+        return [path for path in result.stdout.splitlines() if path in paths]
+
+    def _command(self, harness: str, args: list[str], info_w: int, discard_stderr: bool) -> list[str]:
+        """`python -I -c <prologue + harness> *args` as this sandbox starts it: in bwrap (which reports on `info_w`),
+        or in rlimits mode in a PID namespace of its own where one can be made without root."""
+        # Where a run has no uid or user namespace of its own, every process of the server's user counts.
+        shared_uid = not self._as_root and self.isolation == "rlimits" and not self._unshare
+        nproc = self.limits.max_processes + (_tasks_of(os.getuid()) if shared_uid else 0)
+        prologue = _PROLOGUE.format(nproc=nproc, discard_stderr=discard_stderr)
+        command = [self.python, "-I", "-c", prologue + harness, *args]
         if self.isolation == "bwrap":
             return bwrap_argv(self.limits.tmpfs_mb, self.hidden, self.visible) + ["--info-fd", str(info_w)] + command
         return self._unshare + command
 
     def run(self, code: str, timeout_s: float | None = None) -> ExecutionResult:
-        """Run `code` in a fresh child; blocks until it ends or times out."""
+        """Run `code` in a fresh child; blocks until it ends or times out. SandboxError if no child started."""
         timeout = min(timeout_s or self.limits.timeout_s, self.limits.timeout_s)
-        uid = self._uids.get() if self._as_root else None
-        workdir, result = None, None
-        try:
-            if self.isolation == "rlimits":
-                workdir = tempfile.mkdtemp(prefix="forge_sandbox_")
-                if uid is not None:
-                    os.chown(workdir, uid, uid)
-            result = self._run(code, timeout, uid, workdir)
-            return result
-        finally:
-            killed = result is None or result.timed_out or result.exit_code == -signal.SIGKILL
-            self._release(uid, workdir, sweep=self.isolation == "rlimits" or killed)
+        with self._child(_HARNESS, [], timeout, discard_stderr=False) as proc:
+            return self._run(proc, code, timeout)
 
     @contextlib.contextmanager
-    def process(self, argv: list[str], timeout_s: float | None = None):
-        """A child `python -I *argv` under the same isolation and limits as `run`, for a caller that
-        talks to it while it runs (grading.py): yields the Popen, stdin and stdout pipes, stderr
-        discarded. On exit the child and everything it started are killed, as after `run`."""
+    def process(self, harness: str, args: list[str], timeout_s: float | None = None):
+        """A started child `python -I -c harness *args` under the same isolation and limits as `run`, for a caller
+        that talks to it while it runs (grading.py): yields the Popen, stdin and stdout pipes, stderr discarded.
+        On exit the child and everything it started are killed, as after `run`. SandboxError if none started."""
         timeout = min(timeout_s or self.limits.timeout_s, self.limits.timeout_s)
-        uid = self._uids.get() if self._as_root else None
-        workdir, proc, info_r = None, None, None
-        try:
-            if self.isolation == "rlimits":
-                workdir = tempfile.mkdtemp(prefix="forge_sandbox_")
-                if uid is not None:
-                    os.chown(workdir, uid, uid)
-            info_r, info_w = os.pipe()
-            full = self._command(argv, info_w)
-            user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
-            try:
-                proc = subprocess.Popen(
-                    full, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                    pass_fds=(info_w,) if self.isolation == "bwrap" else (), cwd=workdir or "/",
-                    env=_environment(workdir or "/tmp"), start_new_session=True,
-                    preexec_fn=self._preexec(timeout), **user,
-                )  # fmt: skip
-            finally:
-                os.close(info_w)
+        with self._child(harness, args, timeout, discard_stderr=True) as proc:
             yield proc
-        finally:
-            if proc is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                proc.stdin.close()
-                proc.stdout.close()
-            if info_r is not None:
-                _wait_for_namespace(info_r) if proc is not None else os.close(info_r)
-            self._release(uid, workdir, sweep=True)
 
-    def _release(self, uid: int | None, workdir: str | None, sweep: bool) -> None:
-        if uid is not None and sweep:
+    @contextlib.contextmanager
+    def _child(self, harness: str, args: list[str], timeout: float, discard_stderr: bool):
+        """Yields a child that started (its prologue wrote its byte), trying START_ATTEMPTS times; then cleans up."""
+        why = ""
+        for attempt in range(START_ATTEMPTS):
+            time.sleep(0.5 * attempt)
+            uid = self._uids.get() if self._as_root else None
+            workdir, proc, info_r = None, None, None
+            try:
+                if self.isolation == "rlimits":
+                    workdir = tempfile.mkdtemp(prefix="forge_sandbox_")
+                    if uid is not None:
+                        os.chown(workdir, uid, uid)
+                info_r, info_w = os.pipe()  # bwrap writes {"child-pid": N}: the namespace's init, seen from here
+                user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+                try:
+                    proc = subprocess.Popen(
+                        self._command(harness, args, info_w, discard_stderr), stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(info_w,) if self.isolation == "bwrap" else (),
+                        cwd=workdir or "/", env=_environment(workdir or "/tmp"), start_new_session=True,
+                        preexec_fn=self._preexec(timeout), **user,
+                    )  # fmt: skip
+                except OSError as e:  # rlimits mode: the interpreter did not start, or the server could not fork
+                    why = f"{type(e).__name__}: {e}"
+                finally:
+                    os.close(info_w)
+                if proc is not None and not (why := self._not_started(proc)):
+                    yield proc
+                    return
+            finally:
+                if proc is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)  # bwrap's PID namespace takes the rest
+                    proc.wait()
+                    for f in (proc.stdin, proc.stdout, proc.stderr):
+                        f.close()
+                if info_r is not None:
+                    _wait_for_namespace(info_r) if proc is not None else os.close(info_r)
+                self._release(uid, workdir)
+        raise SandboxError(f"the {self.isolation} sandbox could not start a program in {START_ATTEMPTS} tries: {why}")
+
+    def _not_started(self, proc: subprocess.Popen) -> str:
+        """'' once the child's prologue wrote its byte; else why it did not (what bwrap, unshare or Python said)."""
+        if select.select([proc.stdout], [], [], START_LIMIT_S)[0] and os.read(proc.stdout.fileno(), 1) == _STARTED:
+            return ""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        os.set_blocking(proc.stderr.fileno(), False)
+        said = []
+        with contextlib.suppress(BlockingIOError):
+            said = os.read(proc.stderr.fileno(), 1 << 16).decode("utf-8", "replace").strip().splitlines()
+        return said[-1][:300] if said else f"it exited {proc.returncode} before it started, saying nothing"
+
+    def _release(self, uid: int | None, workdir: str | None) -> None:
+        if uid is not None:
             # Everything this uid still runs belongs to this run: daemons, fork-bomb leftovers,
             # and (bwrap) a namespace still being torn down after its init was killed.
             subprocess.run(self._kill, user=uid, group=uid, extra_groups=[],
@@ -242,41 +306,24 @@ class Sandbox:
             self._uids.put(uid)
 
     def _preexec(self, timeout: float):
+        """The limits set before bwrap or unshare run (RLIMIT_NPROC is the prologue's)."""
         lim = self.limits
         cpu = lim.cpu_s or math.ceil(timeout) + 1
-        nproc = lim.max_processes
-        if not self._as_root:  # the server's own uid: its threads count against the limit too
-            nproc += len(os.listdir("/proc/self/task"))
 
         def apply() -> None:
             for what, value in (
                 (resource.RLIMIT_CPU, cpu),
                 (resource.RLIMIT_AS, lim.memory_mb << 20),
                 (resource.RLIMIT_FSIZE, lim.file_size_mb << 20),
-                (resource.RLIMIT_NPROC, nproc),
                 (resource.RLIMIT_CORE, 0),
             ):
                 resource.setrlimit(what, (value, value))
 
         return apply
 
-    def _run(self, code: str, timeout: float, uid: int | None, workdir: str | None) -> ExecutionResult:
-        info_r, info_w = os.pipe()  # bwrap writes {"child-pid": N}: the namespace's init, seen from here
-        keep = (info_w,) if self.isolation == "bwrap" else ()
-        argv = self._command(["-c", _HARNESS], info_w)
-        env = _environment(workdir or "/tmp")
-        user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+    def _run(self, proc: subprocess.Popen, code: str, timeout: float) -> ExecutionResult:
         start = time.monotonic()
-        try:
-            proc = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=keep, cwd=workdir or "/", env=env, start_new_session=True,
-                preexec_fn=self._preexec(timeout), **user,
-            )  # fmt: skip
-        finally:
-            os.close(info_w)
         streams, timed_out, killed_for_output = self._pump(proc, json.dumps(code).encode(), start + timeout)
-        _wait_for_namespace(info_r)
         exit_code = None if timed_out else proc.returncode
         out, err = bytes(streams["stdout"]), bytes(streams["stderr"])
         truncated = streams["dropped"] > 0
@@ -349,7 +396,4 @@ class Sandbox:
                 except ProcessLookupError:
                     pass
             proc.wait()
-            for f in (proc.stdin, proc.stdout, proc.stderr):
-                if not f.closed:
-                    f.close()
         return kept, timed_out, flooded
