@@ -7,6 +7,7 @@ must end it cleanly with no process, shared-memory object or weights file left b
 """
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ import psutil
 import pytest
 
 from forge_rl.core.config import LoggingConfig
+from forge_rl.recipes.grpo.loop import StepsBar
 from forge_rl.recipes.metrics import MetricsLogger, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -216,3 +218,17 @@ def test_sigterm_stops_like_ctrl_c(tmp_path):
     proc = app(run_dir, "trainer.max_steps=50", "eval.interval=0", "synchronous=false", sigint_ignored=True)  # rollouts overlap training
     wait_for_a_train_step(proc, run_dir, 1)
     stop_and_check_nothing_is_left(proc, signal.SIGTERM, shm_before)
+
+
+def test_the_bars_time_estimate_leaves_out_the_first_steps_warm_up():
+    """A first step of 2.5 s (warm-up), then steps of 0.15 s: 17 steps left take 2.5 s, not the 8 s or more that a rate
+    still weighted by the first step predicts. The elapsed time keeps the warm-up."""
+    bar = StepsBar(total=20, file=io.StringIO())
+    for seconds in (2.5, 0.15, 0.15, 0.15):
+        time.sleep(seconds)
+        bar.update(1)
+    shown = bar.format_dict
+    remaining = (shown["total"] - shown["n"]) / shown["rate"]
+    assert shown["n"] == 4 and shown["elapsed"] >= 2.9 and remaining < 5, (remaining, shown["rate"])
+    assert "?" not in bar.format_meter(**shown).split("<")[1][:5], "the estimate is shown from the second step"
+    bar.close()

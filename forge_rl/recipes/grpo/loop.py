@@ -18,6 +18,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from tqdm import tqdm
+
 from forge_rl.core.config import RunConfig
 from forge_rl.core.errors import first_line
 from forge_rl.recipes.grpo.checkpoint import save_checkpoint
@@ -179,6 +181,24 @@ async def warn_if_stalled(job: Job, since: float) -> float:
         stats["evicted_stale"], rollouts.episodes_played, rollouts.aborted_games, job.rollout_errors, rollouts.groups_without_episodes,
     )
     return time.time()
+
+
+class StepsBar(tqdm):
+    """The console's bar over train steps. Its rate and time estimate leave out the first step of this
+    process, whose warm-up (the trainer's first forward and backward, the first weight update) takes many
+    times a later step: tqdm's smoothed rate would carry it into the first estimates. The elapsed time
+    keeps it; the estimate reads '?' until the second step."""
+
+    warm = False
+
+    def update(self, n: float = 1) -> bool | None:
+        if self.warm:
+            return super().update(n)
+        self.warm, start, step = True, self.start_t, self.n + n
+        self.reset()  # a new clock for the rate, then the steps and start time put back
+        self.start_t, self.n, self.last_print_n, self.initial = start, step, step, step
+        self.refresh()
+        return True
 
 
 async def train(job: Job, progress, workers: list[asyncio.Task]) -> None:
