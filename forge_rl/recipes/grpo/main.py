@@ -34,7 +34,7 @@ from forge_rl.recipes.grpo import faults
 from forge_rl.recipes.grpo.check import check_run
 from forge_rl.recipes.grpo.checkpoint import resume
 from forge_rl.recipes.grpo.learner import Learner
-from forge_rl.recipes.grpo.loop import InFlight, Job, StepsBar, rollout_worker, train
+from forge_rl.recipes.grpo.loop import InFlight, Job, StepsBar, log_eval_samples, rollout_worker, train
 from forge_rl.recipes.grpo.state import RunState
 from forge_rl.recipes.metrics import MetricsLogger, plot_curves
 from forge_rl.rollout.evaluation import Evaluation, figures
@@ -163,6 +163,7 @@ async def main(cfg: RunConfig) -> None:
                 untrained = await job.evaluation()
                 job.metrics.log(job.state.step, {**references, **untrained})
                 print(f"step 0 {figures(untrained)}")
+                log_eval_samples(job, 0, print)
         state = job.state
         progress = StepsBar(total=cfg.trainer.max_steps, initial=state.step, desc=f"GRPO {cfg.app_module}", dynamic_ncols=True)
         workers = [] if cfg.synchronous else [asyncio.create_task(rollout_worker(job)) for _ in range(cfg.rollout.num_workers)]
