@@ -10,6 +10,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -268,3 +269,14 @@ def test_a_run_logs_games_as_text_at_each_evaluation_and_every_samples_every_ste
     tables = sorted(run_dir.glob("wandb/offline-run-*/files/media/table/samples/*.table.json"))
     assert {t.name.split("_")[0] for t in tables} == {"eval", "train"} and "[answer]" in tables[0].read_text(), tables
 
+
+VLLM_LINE = re.compile(r"(DEBUG|INFO|WARNING|ERROR) \d\d-\d\d \d\d:\d\d:\d\d \[|EngineCore|VllmWorker|\(Worker pid=")
+
+
+def test_nothing_of_vllm_reaches_the_console(short_run):
+    """The engine core and its workers are vLLM's child processes of a generator actor: what they print goes to
+    run.log with everything the actor processes print, as the README says; the console keeps forge_rl's lines."""
+    run_dir, out = short_run
+    assert VLLM_LINE.search((run_dir / "run.log").read_text()), "vLLM's processes logged nothing to run.log"
+    leaked = [line for line in out.replace("\r", "\n").splitlines() if VLLM_LINE.search(line)]
+    assert not leaked, leaked[:5]
