@@ -7,8 +7,10 @@ must end it cleanly with no process, shared-memory object or weights file left b
 """
 
 import contextlib
+import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,7 +23,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from apps.blackjack.task import ACTIONS
 from forge_rl.core.config import LoggingConfig
+from forge_rl.recipes.grpo.loop import StepsBar
 from forge_rl.recipes.metrics import MetricsLogger, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,12 +36,12 @@ SMALL = [
 ]
 
 
-def app(run_dir: Path, *overrides: str, sigint_ignored: bool = False) -> subprocess.Popen:
+def app(run_dir: Path, *overrides: str, sigint_ignored: bool = False, **env: str) -> subprocess.Popen:
     """The app in a subprocess; `sigint_ignored`: as a script's background job starts it (SIGINT ignored)."""
     return subprocess.Popen(
         [sys.executable, "-m", "forge_rl.grpo", "--config", str(CONFIG), f"run_dir={run_dir}", *SMALL, *overrides],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
         preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
     )
 
@@ -193,9 +197,11 @@ def test_a_resumed_run_forgets_the_rows_it_logs_again(tmp_path):
     logger = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False))
     for step in range(1, 5):
         logger.log(step, {"train/loss": float(step)})
+        logger.log_samples(step, "train", [{"reward": 1.0, "invalid": False, "turns": []}])
     logger.drop_after(2)  # resumed from the checkpoint of step 2
     logger.log(3, {"train/loss": 30.0})
     assert [(r["step"], r["train/loss"]) for r in read_metrics(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()] == [1, 2]
 
 
 def test_bad_app_module_or_env_server_exits_2_with_one_line(tmp_path):
@@ -216,3 +222,61 @@ def test_sigterm_stops_like_ctrl_c(tmp_path):
     proc = app(run_dir, "trainer.max_steps=50", "eval.interval=0", "synchronous=false", sigint_ignored=True)  # rollouts overlap training
     wait_for_a_train_step(proc, run_dir, 1)
     stop_and_check_nothing_is_left(proc, signal.SIGTERM, shm_before)
+
+
+def test_the_bars_time_estimate_leaves_out_the_first_steps_warm_up():
+    """A first step of 2.5 s (warm-up), then steps of 0.15 s: 17 steps left take 2.5 s, not the 8 s or more that a rate
+    still weighted by the first step predicts. The elapsed time keeps the warm-up."""
+    bar = StepsBar(total=20, file=io.StringIO())
+    for seconds in (2.5, 0.15, 0.15, 0.15):
+        time.sleep(seconds)
+        bar.update(1)
+    shown = bar.format_dict
+    remaining = (shown["total"] - shown["n"]) / shown["rate"]
+    assert shown["n"] == 4 and shown["elapsed"] >= 2.9 and remaining < 5, (remaining, shown["rate"])
+    assert "?" not in bar.format_meter(**shown).split("<")[1][:5], "the estimate is shown from the second step"
+    bar.close()
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory) -> tuple[Path, str]:
+    """Three steps, evaluations at steps 0, 2 and 3, training samples every 2 steps, W&B offline: the run
+    directory and the console (stdout and stderr)."""
+    run_dir = tmp_path_factory.mktemp("short") / "run"
+    proc = app(run_dir, "trainer.max_steps=3", "trainer.checkpoint_every=0", "logging.samples_every=2",
+               "logging.wandb_project=samples", WANDB_MODE="offline", WANDB_SILENT="true")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    return run_dir, out
+
+
+def test_a_run_logs_games_as_text_at_each_evaluation_and_every_samples_every_steps(short_run):
+    run_dir, out = short_run
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [(s["kind"], s["step"]) for s in samples] == [("eval", 0)] * 3 + [("train", 2)] * 3 + [("eval", 2)] * 3 + [("eval", 3)] * 3
+    for sample in samples:
+        assert sample["turns"] and sample["reward"] in (-1.0, 0.0, 1.0) and not sample["invalid"], sample
+        for turn in sample["turns"]:  # the prompt as the policy read it, its constrained answer, the action made of it
+            assert "<|im_start|>" in turn["prompt"] and turn["answer"] in ACTIONS and turn["action"] is not None, turn
+    deals = {}  # an evaluation's first prompts, by step
+    for s in samples:
+        if s["kind"] == "eval":
+            deals.setdefault(s["step"], []).append(s["turns"][0]["prompt"])
+    assert deals[0] == deals[2] == deals[3], "every evaluation shows the same deals"
+    assert out.count("(more: samples.jsonl)") == 3, out[-3000:]  # one under each evaluation line
+    (events,) = (run_dir / "tensorboard").glob("events.out.tfevents.*")
+    assert b"samples/train" in events.read_bytes() and b"samples/eval" in events.read_bytes()
+    tables = sorted(run_dir.glob("wandb/offline-run-*/files/media/table/samples/*.table.json"))
+    assert {t.name.split("_")[0] for t in tables} == {"eval", "train"} and "[answer]" in tables[0].read_text(), tables
+
+
+VLLM_LINE = re.compile(r"(DEBUG|INFO|WARNING|ERROR) \d\d-\d\d \d\d:\d\d:\d\d \[|EngineCore|VllmWorker|\(Worker pid=")
+
+
+def test_nothing_of_vllm_reaches_the_console(short_run):
+    """The engine core and its workers are vLLM's child processes of a generator actor: what they print goes to
+    run.log with everything the actor processes print, as the README says; the console keeps forge_rl's lines."""
+    run_dir, out = short_run
+    assert VLLM_LINE.search((run_dir / "run.log").read_text()), "vLLM's processes logged nothing to run.log"
+    leaked = [line for line in out.replace("\r", "\n").splitlines() if VLLM_LINE.search(line)]
+    assert not leaked, leaked[:5]

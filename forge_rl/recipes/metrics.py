@@ -2,6 +2,8 @@
 
 One `log(step, values)` call sends a dict of scalars everywhere; the JSON-lines file (metrics.jsonl in
 the run directory) is the record the learning-curve PNG is drawn from, and what tests read.
+`log_samples(step, kind, samples)` sends a few games as text (rollout/rollouts.py `samples`) to
+samples.jsonl, TensorBoard's text tab and a W&B table: what the model answers, not only how it scores.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from forge_rl.core.config import LoggingConfig
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, config: LoggingConfig, run_config: dict | None = None):
-        self.path = run_dir / "metrics.jsonl"
+        self.path, self.samples_path = run_dir / "metrics.jsonl", run_dir / "samples.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tensorboard = self.wandb = None
         if config.tensorboard:
@@ -38,17 +40,46 @@ class MetricsLogger:
         if self.wandb:
             self.wandb.log(values, step=step)
 
+    def log_samples(self, step: int, kind: str, samples: list[dict]) -> None:
+        """A few games of `kind` ("train" or "eval") as text: a samples.jsonl row each, one TensorBoard text
+        entry, one W&B table."""
+        with self.samples_path.open("a") as f:
+            for sample in samples:
+                f.write(json.dumps({"step": step, "kind": kind, **sample}, default=str) + "\n")
+        if self.tensorboard and samples:
+            self.tensorboard.add_text(f"samples/{kind}", "\n\n".join(f"```\n{transcript(s)}\n```" for s in samples), step)
+        if self.wandb and samples:
+            import wandb
+
+            rows = [[s["reward"], s["invalid"], transcript(s)] for s in samples]
+            self.wandb.log({f"samples/{kind}": wandb.Table(columns=["reward", "invalid", "game"], data=rows)}, step=step)
+
     def drop_after(self, step: int) -> None:
-        """Forget the JSON-lines rows of steps after `step`: a run resumed from that step's checkpoint
-        logs them again (TensorBoard and W&B keep both)."""
-        kept = [json.dumps(r) + "\n" for r in read_metrics(self.path.parent) if r["step"] <= step]
-        self.path.write_text("".join(kept))
+        """Forget the JSON-lines rows (metrics and samples) of steps after `step`: a run resumed from that
+        step's checkpoint logs them again (TensorBoard and W&B keep both)."""
+        for path in (self.path, self.samples_path):
+            if path.exists():
+                path.write_text("".join(r for r in path.read_text().splitlines(True) if json.loads(r)["step"] <= step))
 
     def close(self) -> None:
         if self.tensorboard:
             self.tensorboard.close()
         if self.wandb:
             self.wandb.finish()
+
+
+def transcript(sample: dict) -> str:
+    """One game of samples.jsonl as text: each turn's prompt, answer and action, then the reward."""
+    turns = [f"[prompt] {t['prompt']}\n[answer] {t['answer']!r} -> {t['action']}" for t in sample["turns"]]
+    return "\n".join(turns) + f"\n[reward] {sample['reward']:+.3f}{' (invalid answer)' if sample['invalid'] else ''}"
+
+
+def sample_line(sample: dict, width: int = 110) -> str:
+    """One game on one console line: the end of its last prompt, the answer, the action, the reward."""
+    last = sample["turns"][-1]
+    prompt = " ".join(last["prompt"].split())
+    prompt = prompt if len(prompt) <= width else "..." + prompt[-width:]
+    return f"  e.g. {prompt!r} -> {last['answer']!r} {last['action']} reward {sample['reward']:+.3f} (more: samples.jsonl)"
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

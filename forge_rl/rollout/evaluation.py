@@ -21,7 +21,8 @@ def figures(values: dict) -> str:
 class Evaluation:
     """The run's evaluation: seeds eval.seed ... eval.seed + num_games - 1 with eval.reset_args over
     env.reset_args. `references` holds the reference policies' mean rewards on those seeds (played once),
-    `last` the figures of the last evaluation (the progress bar's headline)."""
+    `last` the figures of the last evaluation (the progress bar's headline), `samples` a few of its games
+    as text (the first seeds': the same deals at every evaluation)."""
 
     def __init__(self, rollouts: Rollouts):
         self.rollouts = rollouts
@@ -30,6 +31,7 @@ class Evaluation:
         self.reset_args = {**cfg.env.reset_args, **cfg.eval.reset_args}
         self.references: dict[str, float] = {}  # "eval/reference/<name>" -> its mean reward on the seeds
         self.last: dict[str, float] = {}
+        self.samples: list[dict] = []
 
     async def play_references(self) -> dict[str, float]:
         """The app's REFERENCE_POLICIES on the evaluation seeds: what the model's figures are read against,
@@ -59,6 +61,7 @@ class Evaluation:
         greedy = GreedyAnswers(self.rollouts.generate, self.rollouts.sampling(greedy=True))
         results = await gather_or_cancel(self.rollouts.play(s, f"eval{s}", greedy, self.reset_args) for s in self.seeds)
         done = [r for r in results if not r.aborted]
+        self.samples = self.rollouts.samples(done)
         if not done:
             logger.warning("evaluation: all %d games were aborted; no evaluation", len(results))
             self.last = {"eval/games": 0}

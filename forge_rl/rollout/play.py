@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from forge_rl.core.app import App
 from forge_rl.core.config import ConfigError, SamplingConfig
@@ -28,6 +28,8 @@ class GameResult:
     reward: float
     invalid: bool  # ended by an answer the app's parse_action refused
     aborted: bool = False  # the environment session was lost and could not be restored
+    # (prompt ids of the turn, the answer's text, the action parse_action made of it) per turn: samples.jsonl
+    turns: list[tuple[list[int], str, dict | None]] = field(default_factory=list)
 
 
 _PROMPTS_WITH_UNKNOWN_WORDS: list[str] = []  # the first one found is reported, once per run
@@ -126,18 +128,21 @@ async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict |
         try:
             observation = (await session.reset(seed=seed, **(reset_args or cfg.env.reset_args))).observation
             template = cfg.model.chat_template_kwargs
-            record, invalid = EpisodeRecord(prompt_ids(app, tokenizer, observation, True, template_kwargs=template)), False
+            prompt = prompt_ids(app, tokenizer, observation, True, template_kwargs=template)
+            record, invalid, turns = EpisodeRecord(prompt), False, []
             previous = None  # (prompt ids, answer ids) of the last turn, for the group's shared requests
             for turn in range(cfg.rollout.max_turns):
                 if observation["done"]:
                     break
                 if turn:
                     unclosed = record.token_ids[-1] != end_of_turn(tokenizer)[1]
-                    record.add_prompt(prompt_ids(app, tokenizer, observation, False, unclosed, template))
+                    prompt = prompt_ids(app, tokenizer, observation, False, unclosed, template)
+                    record.add_prompt(prompt)
                 completion = await asks.answer(list(record.token_ids), previous)
                 previous = (tuple(completion.prompt_ids), tuple(completion.token_ids))
                 record.add_completion(completion)
                 action = app.parse_action(completion.text, observation)
+                turns.append((prompt, completion.text, action))
                 if action is None:
                     invalid = True
                     break
@@ -151,4 +156,4 @@ async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict |
     else:  # cut off at rollout.max_turns: never scored better than losing (schema.py, rollout.cutoff_reward)
         reward = cfg.rollout.cutoff_score
     episodes = [record.to_episode(reward, group_id)] if record.completion_versions else []
-    return GameResult(episodes, reward, invalid)
+    return GameResult(episodes, reward, invalid, turns=turns)

@@ -21,6 +21,7 @@ from forge_rl.rollout.play import GameResult, play_game, sampling_params
 from forge_rl.rollout.requests import SharedRequests
 from forge_rl.rollout.sessions import SessionPool
 
+SAMPLES_PER_EVENT = 3  # games logged as text each time samples are (samples.jsonl)
 GROUPS_LOST_BEFORE_GIVING_UP = 20  # groups in a row lost (every game aborted, or a game without an episode)
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class Rollouts:
         self.groups_lost_in_a_row = 0  # groups aborted whole or dropped, since the last one that was neither
         self.last_abort = ""  # why the last aborted game was
         self.recent: list[tuple[float, bool]] = []  # (reward, invalid) of recent training games
+        self.last_group: list[GameResult] = []  # the games of the group that ended last (samples)
 
     def sampling(self, greedy: bool = False) -> dict:
         return sampling_params(self.cfg.sampling, self.allowed_token_ids, greedy, self.answer_length)
@@ -87,6 +89,7 @@ class Rollouts:
         shared = SharedRequests(self.generate, size, self.sampling(), seed=(self.cfg.seed, seed))
         results = await gather_or_cancel(self.play(seed, f"seed{seed}", shared) for _ in range(size))
         self.episodes_played += len(results)
+        self.last_group = results
         self.aborted_games += sum(r.aborted for r in results)
         # A game that ended without asking the policy (an agent that never called the model, a game done at
         # reset) has no episode: its group is not comparable, so it is dropped, and said so.
@@ -109,6 +112,15 @@ class Rollouts:
         self.recent = (self.recent + [(r.reward, r.invalid) for r in results if not r.aborted])[-2000:]
         episodes = [e for r in results for e in r.episodes]
         return episodes if all(r.episodes for r in results) else None  # a group with a dropped game is not comparable
+
+    def samples(self, results: list[GameResult]) -> list[dict]:
+        """The first SAMPLES_PER_EVENT games of `results` to read: each turn's prompt as the policy read it
+        (chat template included) and its answer, decoded, the action parse_action made of it, the reward."""
+        def turn(prompt, answer, action):
+            return {"prompt": self.tokenizer.decode(prompt, skip_special_tokens=False), "answer": answer, "action": action}
+
+        played = [r for r in results if r.turns][:SAMPLES_PER_EVENT]
+        return [{"reward": r.reward, "invalid": r.invalid, "turns": [turn(*t) for t in r.turns]} for r in played]
 
     def recent_figures(self, n: int = 500) -> tuple[float, float]:
         """(mean reward, invalid rate) of the last `n` training games."""

@@ -319,6 +319,10 @@ class ChatConfig:
 class LoggingConfig:
     tensorboard: bool = True
     wandb_project: Optional[str] = None  # set to log to Weights & Biases
+    samples_every: int = 10  # train steps between a few training games logged as text (samples.jsonl); 0: none
+
+    def check(self, key):
+        _non_negative(self, key, "samples_every")
 
 
 @dataclass

@@ -18,12 +18,14 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from tqdm import tqdm
+
 from forge_rl.core.config import RunConfig
 from forge_rl.core.errors import first_line
 from forge_rl.recipes.grpo.checkpoint import save_checkpoint
 from forge_rl.recipes.grpo.learner import Learner
 from forge_rl.recipes.grpo.state import RunState
-from forge_rl.recipes.metrics import MetricsLogger
+from forge_rl.recipes.metrics import MetricsLogger, sample_line
 from forge_rl.rollout.evaluation import Evaluation, figures
 from forge_rl.rollout.rollouts import GroupsLost, Rollouts
 from forge_rl.runtime.actor import call
@@ -181,6 +183,31 @@ async def warn_if_stalled(job: Job, since: float) -> float:
     return time.time()
 
 
+def log_eval_samples(job: Job, step: int, write) -> None:
+    """The last evaluation's samples to the metrics, and the first on the console (`write`)."""
+    job.metrics.log_samples(step, "eval", job.evaluation.samples)
+    if job.evaluation.samples:
+        write(sample_line(job.evaluation.samples[0]))
+
+
+class StepsBar(tqdm):
+    """The console's bar over train steps. Its rate and time estimate leave out the first step of this
+    process, whose warm-up (the trainer's first forward and backward, the first weight update) takes many
+    times a later step: tqdm's smoothed rate would carry it into the first estimates. The elapsed time
+    keeps it; the estimate reads '?' until the second step."""
+
+    warm = False
+
+    def update(self, n: float = 1) -> bool | None:
+        if self.warm:
+            return super().update(n)
+        self.warm, start, step = True, self.start_t, self.n + n
+        self.reset()  # a new clock for the rate, then the steps and start time put back
+        self.start_t, self.n, self.last_print_n, self.initial = start, step, step, step
+        self.refresh()
+        return True
+
+
 async def train(job: Job, progress, workers: list[asyncio.Task]) -> None:
     """The training loop: batch -> step -> weights out -> (eval, checkpoint) until max_steps."""
     cfg, state, rollouts = job.cfg, job.state, job.rollouts
@@ -207,9 +234,12 @@ async def train(job: Job, progress, workers: list[asyncio.Task]) -> None:
         if job.in_flight is not None:
             values.update({"rollout/groups_in_flight": len(job.in_flight), "rollout/admission_waits": job.in_flight.waits})
         values.update({f"buffer/{k}": v for k, v in (await job.buffer_stats()).items()})
+        if cfg.logging.samples_every and state.step % cfg.logging.samples_every == 0:
+            job.metrics.log_samples(state.step, "train", rollouts.samples(rollouts.last_group))
         if cfg.eval.interval and (state.step % cfg.eval.interval == 0 or state.step == cfg.trainer.max_steps):  # and the final policy
             values.update(await job.evaluation())
             progress.write(f"step {state.step} {figures(job.evaluation.last)}  |  reference: {figures(job.evaluation.references) or 'none'}")
+            log_eval_samples(job, state.step, progress.write)
         if cfg.trainer.checkpoint_every and (state.step % cfg.trainer.checkpoint_every == 0 or state.step == cfg.trainer.max_steps):
             # and at the end, so that a run can be continued with more steps
             values.update(await save_checkpoint(job.learner.trainer, cfg.run_dir, state, cfg.trainer.timeout_s))

@@ -34,7 +34,7 @@ from forge_rl.recipes.grpo import faults
 from forge_rl.recipes.grpo.check import check_run
 from forge_rl.recipes.grpo.checkpoint import resume
 from forge_rl.recipes.grpo.learner import Learner
-from forge_rl.recipes.grpo.loop import InFlight, Job, rollout_worker, train
+from forge_rl.recipes.grpo.loop import InFlight, Job, StepsBar, log_eval_samples, rollout_worker, train
 from forge_rl.recipes.grpo.state import RunState
 from forge_rl.recipes.metrics import MetricsLogger, plot_curves
 from forge_rl.rollout.evaluation import Evaluation, figures
@@ -140,8 +140,6 @@ async def shutdown(job: Job | None) -> None:
 
 
 async def main(cfg: RunConfig) -> None:
-    from tqdm import tqdm
-
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, print_task_stacks)
     run_dir = Path(cfg.run_dir)
     app = check_run(cfg)  # what `python -m forge_rl.config` checks; fails before anything starts
@@ -165,8 +163,9 @@ async def main(cfg: RunConfig) -> None:
                 untrained = await job.evaluation()
                 job.metrics.log(job.state.step, {**references, **untrained})
                 print(f"step 0 {figures(untrained)}")
+                log_eval_samples(job, 0, print)
         state = job.state
-        progress = tqdm(total=cfg.trainer.max_steps, initial=state.step, desc=f"GRPO {cfg.app_module}", dynamic_ncols=True)
+        progress = StepsBar(total=cfg.trainer.max_steps, initial=state.step, desc=f"GRPO {cfg.app_module}", dynamic_ncols=True)
         workers = [] if cfg.synchronous else [asyncio.create_task(rollout_worker(job)) for _ in range(cfg.rollout.num_workers)]
         try:  # a dead trainer stops it within seconds
             await faults.watch_trainer(job.learner.trainer, cfg, state, train(job, progress, workers))
