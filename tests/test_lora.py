@@ -74,6 +74,24 @@ def test_only_adapters_train_and_the_base_model_stays_the_reference(tiny):
     assert worst(asyncio.run(Trainer.logprobs._method(trainer, tokens)), base) > 0.01, "the adapters trained"
 
 
+def test_the_kl_reference_under_lora_is_the_base_models_scored_as_the_loss_scores(tiny):
+    """train_step(batch, "base") scores the reference in the loss's own shared-row forwards, adapters off: the
+    same numbers as the base model's full forward (Trainer.logprobs(base=True)) at every trained token."""
+    trainer = trainer_in_process(tiny, LoraConfig(rank=4))
+    batch = batch_for(100)
+    asyncio.run(Trainer.train_step._method(trainer, batch, None))  # adapters away from zero: base != policy
+    t = trainer._tensors(batch, None)
+    ref = trainer._base_logprobs(t, list(range(len(batch))))
+    base = asyncio.run(Trainer.logprobs._method(trainer, [e.tokens for e in batch], True))
+    policy = asyncio.run(Trainer.logprobs._method(trainer, [e.tokens for e in batch]))
+    for i, e in enumerate(batch):
+        trained = t["mask"][i, : len(e.tokens)].bool()
+        torch.testing.assert_close(ref[i, : len(e.tokens)][trained], base[i][trained], atol=BOUND["tiny"], rtol=0)
+        assert (ref[i, : len(e.tokens)][trained] - policy[i][trained]).abs().max() > 1e-3, "the base, not the policy"
+    metrics = asyncio.run(Trainer.train_step._method(trainer_in_process(tiny, LoraConfig(rank=4)), batch, "base"))
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-6), "untrained adapters: the policy is the base"
+
+
 @pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("lora", [None, LoraConfig(rank=4)], ids=["full", "lora"])
 def test_an_export_loads_in_transformers_and_peft_with_the_trainers_logprobs(tiny, tmp_path, model, lora):

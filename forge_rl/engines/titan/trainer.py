@@ -124,17 +124,20 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def train_step(
-        self, batch: list[Episode], ref_logprobs: list[torch.Tensor] | None = None, imitate: list[Episode] | None = None
+        self, batch: list[Episode], ref_logprobs: list[torch.Tensor] | str | None = None, imitate: list[Episode] | None = None
     ) -> dict[str, float]:
         """All ranks (every rank gets the whole batch; returns the same metrics). One optimizer step.
 
-        ref_logprobs: per episode [T] reference log-probs aligned with its tokens. imitate: episodes whose
-        mean token NLL, times the loss_fn's `imitation_coef`, joins the loss of the same optimizer step.
+        ref_logprobs: per episode [T] reference log-probs aligned with its tokens, or "base" (LoRA): this
+        model's with the adapters off, scored here as the loss's rows are. imitate: episodes whose mean token
+        NLL, times the loss_fn's `imitation_coef`, joins the loss of the same optimizer step.
         """
         if self.loss_fn is None:
             raise ValueError("Trainer.train_step: this trainer was built without a loss_fn")
-        t = self._tensors(batch, ref_logprobs)
+        t = self._tensors(batch, None if ref_logprobs == "base" else ref_logprobs)
         mine = self._my_rows(len(batch))
+        if ref_logprobs == "base":
+            t["ref"] = self._base_logprobs(t, mine)
         totals = self.loss_fn.prepare(batch, t, lambda: self._mean_entropy(t, mine))  # may narrow t["mask"]
         plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
         total_loss, tokens, forward_tokens = 0.0, 0.0, 0
@@ -314,6 +317,19 @@ class Trainer(ForgeActor):
         entropy = torch.zeros(len(episodes), width, device=self.device)
         lp[slots, positions - 1], entropy[slots, positions - 1] = lp_tokens, entropy_tokens
         return lp, entropy, width, 0.0 * logits.float().sum()
+
+    @torch.no_grad()
+    def _base_logprobs(self, t: dict, mine: list[int]) -> torch.Tensor:
+        """[B, T] log-probs of this rank's episodes' trained tokens under the base model (adapters off), by the
+        same one-row-per-path forwards as the loss (0 elsewhere): the KL reference under LoRA."""
+        plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
+        ref = torch.zeros_like(t["mask"])
+        with lora.adapters_off(self.model):
+            for rows, weight in self._micro_batches(plan.rows):
+                episodes = plan.served_by(rows, mine) if weight else []
+                lp, _, width, _ = self._score(t, plan, rows, episodes)
+                ref[episodes, 1 : width + 1] = lp.float().cpu()
+        return ref
 
     @torch.no_grad()
     def _mean_entropy(self, t: dict, mine: list[int]) -> float:

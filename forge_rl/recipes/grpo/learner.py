@@ -48,7 +48,7 @@ class Learner:
         if self.reference is not None:
             ref_logprobs = await self.reference.route("logprobs", [e.tokens for e in batch])
         elif self.cfg.grpo.kl_coef > 0:  # LoRA: the reference is the trainer's base model, adapters off
-            ref_logprobs = await call(self.trainer, "logprobs", [e.tokens for e in batch], True, timeout_s=self.cfg.trainer.timeout_s)
+            ref_logprobs = "base"
         if self.imitation is not None:
             self.imitation.add_batch(batch)
             imitate = self.imitation.sample(self.cfg.grpo.self_imitation.episodes)
