@@ -33,13 +33,20 @@ def test_env_url_on_the_command_line_wins_over_the_files_env_server():
     assert load_config(TINY).env.server is not None
 
 
-def test_defaults_are_the_embedded_defaults(tmp_path):
-    """A minimal YAML (only the environment, as "Adding an environment" shows) trains as `make train`
-    does: every default is the value of configs/blackjack_tiny_cpu.yaml, run_dir aside."""
+def test_defaults_are_neutral_and_the_tiny_config_states_its_tuned_values(tmp_path):
+    """A minimal YAML (only the environment) takes the framework's neutral defaults, not the values tuned for
+    the tiny model's two-answer BlackJack (issue #44): no entropy bonus, room for a free-text answer, a small
+    micro-batch, full fine-tuning. configs/blackjack_tiny_cpu.yaml states its own; load_config records
+    which keys a config gave, for the check to name the others."""
     minimal = load_config(write(tmp_path, "env:\n  server: apps.blackjack.env:BlackJackEnvironment\n"))
-    embedded = load_config(TINY)
-    minimal.run_dir = embedded.run_dir  # where a run writes is the user's, not a training choice
-    assert dataclasses.asdict(minimal) == dataclasses.asdict(embedded)
+    neutral = minimal.grpo.entropy_coef, minimal.sampling.max_tokens, minimal.trainer.micro_batch_size, minimal.trainer.lora
+    assert neutral == (0.0, 256, 8, None)
+    tiny = load_config(TINY)
+    assert (tiny.grpo.entropy_coef, tiny.sampling.max_tokens, tiny.trainer.micro_batch_size) == (0.3, 4, 256)
+    assert minimal.keys_given == {"env", "env.server"}
+    given = load_config(TINY, ["trainer.lora=null"]).keys_given
+    assert {"trainer.lora", "trainer.optimizer.lr", "grpo.is_correction.threshold"} <= given and "trainer.hosts" in given
+    assert "keys_given" not in dataclasses.asdict(tiny)  # not a key: the resolved config saved with a run lacks it
 
 
 def test_int_is_accepted_where_a_float_is_expected():

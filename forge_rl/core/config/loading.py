@@ -52,9 +52,21 @@ def load_config(path: str | Path, overrides: list[str] = (), schema: type = RunC
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     try:
-        return _to_dataclass(schema, data, "")
+        cfg = _to_dataclass(schema, data, "")
     except ConfigError as e:
         raise ConfigError(f"{e} {where}") from None
+    cfg.keys_given = frozenset(_dotted_keys(data))
+    return cfg
+
+
+def _dotted_keys(data: dict, prefix: str = "") -> list[str]:
+    """Every key of a nested mapping, dotted: {trainer: {lora: null}} -> trainer, trainer.lora."""
+    keys = []
+    for name, value in data.items():
+        keys.append(prefix + str(name))
+        if isinstance(value, dict):
+            keys += _dotted_keys(value, f"{prefix}{name}.")
+    return keys
 
 
 def _yaml_problem(e: yaml.MarkedYAMLError, path: Path) -> str:
@@ -91,7 +103,7 @@ USAGE = """usage: python -m {prog} --config FILE [dotted.key=value ...]
 {what}
 
 Any key of the config can be overridden on the command line, e.g. grpo.group_size=16 trainer.optimizer.lr=2e-4.
-The keys: docs/configuration.md, and the comments in configs/*.yaml (configs/blackjack_tiny_cpu.yaml is the default).
+The keys: docs/configuration.md, and the comments in configs/*.yaml (configs/blackjack_tiny_cpu.yaml is `make train`'s).
 Bad input stops with one line, `config error: <key>: ...`, and exit status 2."""
 
 

@@ -1,14 +1,15 @@
 """The config's schema: one dataclass per section, each with `check` stating which values are possible.
 
-Defaults are those of configs/blackjack_tiny_cpu.yaml (the embedded default), so a minimal YAML trains as
-`make train` does; the comments in configs/*.yaml explain each key to users.
+Defaults are neutral, tuned for no app or model; each config in configs/ states its tuned values, and its comments
+explain each key to users. The learning rate's default is the tiny model's: with model.path set, the check
+(recipes/grpo/check.py) refuses a config without one, and names the model-dependent keys it takes from here.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 
 class ConfigError(ValueError):
@@ -48,7 +49,7 @@ class EnvConfig:
 class SamplingConfig:
     temperature: float = 1.0  # the trainer and reference score logits / temperature too
     top_p: float = 1.0  # only 1.0: the trainer cannot mirror top-p truncation
-    max_tokens: int = 4  # per turn
+    max_tokens: int = 256  # per turn: room for a free-text answer; constrained one-token ACTIONS take one anyway
     constrained: bool = True  # sample exactly one of the app's answer tokens per turn (trainer mirrors it)
 
     def check(self, key):
@@ -118,7 +119,9 @@ class GRPOConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's ratio and clip per sequence (core/loss.py)
-    entropy_coef: float = 0.3
+    # No bonus, as in GRPO (Shao et al. 2024) and DAPO (Yu et al. 2025): over a pretrained model's whole vocabulary
+    # a bonus pushes free text toward noise; an app whose few answers must stay sampled sets its own
+    entropy_coef: float = 0.0
     # The bonus acts only while the mean entropy per trained token is below this floor (None: always).
     entropy_floor: Optional[float] = None
     filter_zero_spread: bool = False  # DAPO dynamic sampling: skip groups whose rewards are all equal
@@ -158,6 +161,8 @@ class GRPOConfig:
 
 @dataclass
 class OptimizerConfig:
+    # The tiny model's. A pretrained model's depends on its size and on LoRA (about 1e-6 to fully fine-tune 1-2B
+    # models, as TorchForge's recipe; an order higher with LoRA, Schulman et al. 2025), so it must state its own
     lr: float = 3e-4
     weight_decay: float = 0.0
     warmup_steps: int = 0
@@ -197,7 +202,7 @@ class LoraConfig:
 class TrainerConfig:
     procs: int = 1  # ranks per host; > 1 in all shards with FSDP2
     hosts: int = 1  # hosts the trainer mesh spans (cluster.workers or cluster.kubernetes)
-    micro_batch_size: int = 256  # sequences per forward/backward on one rank (memory vs speed)
+    micro_batch_size: int = 8  # sequences per forward/backward on one rank: memory grows with it, speed too up to a point
     max_steps: int = 200
     checkpoint_every: int = 25  # steps; 0 disables (the last step is checkpointed too)
     timeout_s: float = 3600.0  # per call to the trainer (train step, weights push, checkpoint)
@@ -346,6 +351,8 @@ class RunConfig:
     chat: ChatConfig = field(default_factory=ChatConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    # Set by load_config: the dotted keys the file and the overrides gave; every other key took its default here
+    keys_given: ClassVar[frozenset] = frozenset()
 
     def check(self, key):
         roles = {"trainer": self.trainer.hosts, "generator": self.generator.hosts, "reference": self.reference.hosts}

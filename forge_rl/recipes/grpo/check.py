@@ -34,7 +34,29 @@ def check_run(cfg: RunConfig, this_host: bool = True) -> App:
         check_gpus(cfg)
     for key, why in inert_keys(cfg):
         print(f"warning: {key}: {why}", file=sys.stderr)
+    for key, value in defaults_taken(cfg):
+        print(f"warning: {key}: left out, so {value} (the schema's neutral default, not tuned for {cfg.model.path}): "
+              "state it in the config", file=sys.stderr)
     return app
+
+
+# Keys whose good value depends on the model and the app. The schema's defaults for them are neutral, tuned for
+# no model (core/config/schema.py); each config in configs/ states its own.
+MODEL_DEPENDENT_KEYS = ("sampling.max_tokens", "grpo.entropy_coef", "trainer.micro_batch_size", "trainer.lora")
+
+
+def defaults_taken(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(key, value as YAML writes it) of each MODEL_DEPENDENT_KEYS a pretrained model's run (model.path set)
+    takes from the schema's defaults: said at the start, not refused."""
+    if cfg.model.path is None:
+        return []
+    taken = []
+    for key in MODEL_DEPENDENT_KEYS:
+        if key not in cfg.keys_given:
+            section, name = key.split(".")
+            value = getattr(getattr(cfg, section), name)
+            taken.append((key, "null" if value is None else str(value)))
+    return taken
 
 
 def inert_keys(cfg: RunConfig) -> list[tuple[str, str]]:
@@ -67,7 +89,8 @@ def check_env(server: str | None, url: str | None) -> None:
 
 
 def check_model(cfg: RunConfig, app: App) -> None:
-    """model.path names a model (file, package:, directory; a hub id is taken as one, not downloaded). With
+    """model.path names a model (file, package:, directory; a hub id is taken as one, not downloaded), and then
+    the config states its learning rate (the default is the tiny model's). With
     the tiny model (model.path null), whose tokenizer knows a fixed list of words, the app's answers and the
     prompt it renders for its SAMPLE_OBSERVATION must be words of that list: an unknown word would reach the
     policy as [UNK]."""
@@ -76,6 +99,11 @@ def check_model(cfg: RunConfig, app: App) -> None:
     except (ValueError, OSError, ImportError) as e:
         raise ConfigError(first_line(e)) from None
     if kind != "tiny":
+        if "trainer.optimizer.lr" not in cfg.keys_given:
+            raise ConfigError(
+                f"trainer.optimizer.lr: not set, and its default {cfg.trainer.optimizer.lr:g} is the tiny model's: state the "
+                f"learning rate for {cfg.model.path} (about 1e-6 to fully fine-tune a 1-2B model, 1e-5 to 1e-4 with trainer.lora)"
+            )
         return
     from forge_rl.models.tiny import hf_tokenizer
 
