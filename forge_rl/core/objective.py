@@ -39,8 +39,9 @@ class GRPOLoss:
 
     def prepare(self, batch: list[Episode], t: dict[str, torch.Tensor], mean_entropy=None) -> StepTotals:
         """Before the micro-batches, on the whole batch (t: the trainer's right-padded [B, T] tensors): drop
-        tokens sampled too many versions ago (and, with overlong_filter, cut-off episodes) from t["mask"], then put each token's advantage in
-        t["advantages"] (after the narrowing, so centring sees only the tokens trained). With an entropy
+        tokens sampled too many versions ago (and, with overlong_filter, cut-off episodes) from t["mask"], then
+        put each token's advantage in t["advantages"] (after the narrowing, so centring sees only the tokens
+        trained). With an entropy
         floor, the bonus is decided once for the step from `mean_entropy()` (the batch's mean entropy per
         trained token, the same on every rank; a piece's own would turn the bonus on for some pieces of a
         step and off for others)."""
