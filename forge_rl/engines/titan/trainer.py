@@ -71,8 +71,7 @@ class Trainer(ForgeActor):
     in tensors["advantages"] [B, T] (`mean_entropy()`: the batch's mean entropy per trained token, all ranks',
     by a forward without grad); and `loss_fn(logprobs [B, T], piece, logits, totals) -> (loss, metrics)` per
     micro-batch, where `piece` holds "behaviour", "mask" (weighted), "ages", "ref" (when given) and
-    "advantages" as [B, T], and the
-    pieces' gradients add up to the batch's. Its metrics must include `num_tokens` (see `reduction` for the
+    "advantages" as [B, T], and the pieces' gradients add up to the batch's. Its metrics must include `num_tokens` (see `reduction` for the
     others); `imitation_coef` weighs the NLL of the episodes to imitate.
     """
 
@@ -318,16 +317,22 @@ class Trainer(ForgeActor):
         lp[slots, positions - 1], entropy[slots, positions - 1] = lp_tokens, entropy_tokens
         return lp, entropy, width, 0.0 * logits.float().sum()
 
+    def _scored_pieces(self, t: dict, mine: list[int]):
+        """(episodes, log-probs, entropies, width, weight) of each micro-batch of this rank's episodes, scored
+        as the loss scores them (every rank runs the same number of forwards); call under torch.no_grad."""
+        plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
+        for rows, weight in self._micro_batches(plan.rows):
+            episodes = plan.served_by(rows, mine) if weight else []
+            lp, entropy, width, _ = self._score(t, plan, rows, episodes)
+            yield episodes, lp, entropy, width, weight
+
     @torch.no_grad()
     def _base_logprobs(self, t: dict, mine: list[int]) -> torch.Tensor:
         """[B, T] log-probs of this rank's episodes' trained tokens under the base model (adapters off), by the
         same one-row-per-path forwards as the loss (0 elsewhere): the KL reference under LoRA."""
-        plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
         ref = torch.zeros_like(t["mask"])
         with lora.adapters_off(self.model):
-            for rows, weight in self._micro_batches(plan.rows):
-                episodes = plan.served_by(rows, mine) if weight else []
-                lp, _, width, _ = self._score(t, plan, rows, episodes)
+            for episodes, lp, _, width, _ in self._scored_pieces(t, mine):
                 ref[episodes, 1 : width + 1] = lp.float().cpu()
         return ref
 
@@ -335,11 +340,8 @@ class Trainer(ForgeActor):
     def _mean_entropy(self, t: dict, mine: list[int]) -> float:
         """The policy's mean next-token entropy over the batch's trained tokens (mask weights), every rank's
         rows together, under the current weights: a decision a loss makes once per step, on every rank alike."""
-        plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
         total, tokens = 0.0, 0.0
-        for rows, weight in self._micro_batches(plan.rows):
-            episodes = plan.served_by(rows, mine) if weight else []
-            _, entropy, width, _ = self._score(t, plan, rows, episodes)
+        for episodes, _, entropy, width, weight in self._scored_pieces(t, mine):
             mask = t["mask"][episodes, 1 : width + 1].to(self.device) * weight
             total, tokens = total + (entropy * mask).sum().item(), tokens + mask.sum().item()
         sums = self._all_sum({"entropy": total, "tokens": tokens})
