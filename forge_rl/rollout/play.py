@@ -43,7 +43,8 @@ def prompt_ids(app: App, tokenizer, observation: dict, first_turn: bool, close_p
     the template's default); later turns continue a conversation whose earlier ids are kept as sampled, so
     only the new text is tokenized (never the whole conversation again). `close_previous`: the previous
     answer stopped without the end-of-turn token (constrained decoding samples the answer alone), so this
-    turn starts by closing it with the chat template's (segments.py `end_of_turn`), which need not be the eos. `template_kwargs`: the config's model.chat_template_kwargs, for every turn.
+    turn starts by closing it with the chat template's (segments.py `end_of_turn`), which need not be the
+    eos. `template_kwargs`: the config's model.chat_template_kwargs, for every turn.
     """
     kwargs = tuple(sorted((template_kwargs or {}).items()))
     system = getattr(app, "system_prompt", None)
