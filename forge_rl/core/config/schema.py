@@ -224,6 +224,7 @@ class GeneratorConfig:
     gpu_memory_utilization: float = 0.05  # on CPU: share of host memory for the KV cache
     weight_sync: Literal["auto", "shm", "broadcast", "store"] = "auto"  # how weights travel (forge_rl/weights/)
     partial_rollouts: bool = False  # True: a weight update pauses running requests, false: waits for them
+    eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU; LoRA runs are eager (engines/vllm/lora_serving.py)
 
     def check(self, key):
         _positive(self, key, "num_replicas", "procs", "hosts", "max_model_len")
