@@ -40,11 +40,10 @@ from forge_rl.engines.titan.model import (
     build_model,
     init_distributed,
     logprobs_of,
-    pad_right,
     scored_logprobs,
     scoring_head,
 )
-from forge_rl.engines.titan.scoring import ForwardPlan, plan_forward, scored_positions
+from forge_rl.engines.titan.scoring import ForwardPlan, batch_tensors, plan_forward, scored_positions
 from forge_rl.runtime.actor import ForgeActor
 from forge_rl.weights import make_publisher
 from forge_rl.weights.shm import drain
@@ -161,6 +160,7 @@ class Trainer(ForgeActor):
         grad_norm = clip_grad_norm_(list(self.model.parameters()), self.optim_config.max_grad_norm)
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         await self.publisher.sent()  # the last push may still be sending these parameters
+        self.held_version = None  # from here until the next push they are no published version
         self.optimizers.step()
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
@@ -178,32 +178,51 @@ class Trainer(ForgeActor):
         return metrics
 
     @endpoint
-    async def push_weights(self, version: int) -> int:
+    async def push_weights(self, version: int, receivers: list[int] | None = None) -> int:
         """All ranks (collective when sharded). The HF-named weights go by the planned transport, each tensor
         gathered as its turn comes (or, into shared memory on one host, each rank's own rows with no gather),
         and the version's handle goes into TorchStore (forge_rl/weights/); with LoRA, the adapters alone.
         Returns once generators can fetch it (a broadcast is then under way and completes as they take it; the
-        next push and the next optimizer step wait for it): the bytes published, on every rank."""
-        adapter, rows = None, self.publisher.every_rank_writes and not self.lora
-        if self.lora:
-            shapes, tensors = hf_adapter_weights(self.model, self.adapter, self.dtype)
-            adapter = {"scale": lora.scale(self.model)}
-        else:
-            shapes, tensors = (hf_weight_rows if rows else hf_weights)(self.model, self.adapter, self.dtype)
+        next push and the next optimizer step wait for it): the bytes published, on every rank. `receivers`:
+        the generator replicas a broadcast goes to (those the controller then tells to load it)."""
+        shapes, tensors, adapter, rows = self._outgoing()
         try:
-            await self.publisher.publish(shapes, tensors, version, rows, adapter)
+            await self.publisher.publish(shapes, tensors, version, rows, adapter, receivers)
         finally:  # whatever failed on one rank: the others wait in its gathers and at the barrier
             await asyncio.to_thread(drain, tensors)
             if dist.is_initialized():
                 dist.barrier()
-        self.policy_version = version
+        self.policy_version = self.held_version = version
         return sum(t.numel() * t.element_size() for t in shapes.values())
 
     @endpoint
-    async def join_weights_group(self, rendezvous: str, port: int, world: int, bind: str) -> None:
-        """All ranks, with every generator's join at the same time: rank 0 joins the broadcast group as
-        its rank 0 and hosts its rendezvous on `rendezvous:port`; other ranks do nothing."""
-        await asyncio.to_thread(self.publisher.join, rendezvous, port, world, bind)
+    async def resend_weights(self, replica: int, version: int) -> bool:
+        """All ranks. Broadcast: send `version` again, to one rejoined generator replica, if the parameters
+        are still that version (no optimizer step since its push); False otherwise (ask after the next push)."""
+        if getattr(self, "held_version", None) != version:
+            return False
+        _, tensors, _, _ = self._outgoing()
+        try:
+            self.publisher.resend(replica, tensors, version)
+        finally:
+            await asyncio.to_thread(drain, tensors)
+            if dist.is_initialized():
+                dist.barrier()
+        return True
+
+    def _outgoing(self) -> tuple[dict, object, dict | None, bool]:
+        """What a push publishes: shapes, the tensors (an iterator), the LoRA scale, whether by rows."""
+        if self.lora:
+            shapes, tensors = hf_adapter_weights(self.model, self.adapter, self.dtype)
+            return shapes, tensors, {"scale": lora.scale(self.model)}, False
+        rows = self.publisher.every_rank_writes
+        return *(hf_weight_rows if rows else hf_weights)(self.model, self.adapter, self.dtype), None, rows
+
+    @endpoint
+    async def join_weights_group(self, rendezvous: str, port: int, world: int, bind: str, replica: int = 0) -> None:
+        """All ranks, with one generator replica's join at the same time: rank 0 joins that replica's
+        broadcast group as its rank 0 and hosts its rendezvous on `rendezvous:port`; other ranks do nothing."""
+        await asyncio.to_thread(self.publisher.join, rendezvous, port, world, bind, replica)
 
     @endpoint
     async def logprobs(self, token_ids: list[torch.Tensor], base: bool = False) -> list[torch.Tensor]:
@@ -270,26 +289,7 @@ class Trainer(ForgeActor):
             set_scheduler_lr(scheduler, [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)])
 
     def _tensors(self, batch: list[Episode], ref_logprobs) -> dict[str, torch.Tensor]:
-        """Episodes -> right-padded [B, T] CPU tensors, lengths [B], and each token's age:
-        how many versions before the last pushed one it was sampled."""
-        if not batch:
-            raise ValueError("train_step: empty batch")
-        length = max(len(e.tokens) for e in batch)
-
-        def pad(rows, dtype):
-            return pad_right([torch.as_tensor(r, dtype=dtype) for r in rows], length)
-
-        t = {
-            "tokens": pad([e.tokens for e in batch], torch.long),
-            "lengths": torch.tensor([len(e.tokens) for e in batch]),
-            "mask": pad([e.loss_mask for e in batch], torch.float32),
-            "behaviour": pad([e.behaviour_logprobs for e in batch], torch.float32),
-            "ages": self.policy_version - pad([e.token_versions for e in batch], torch.long),
-        }
-        t["mask"][:, 0] = 0  # the first token has no prediction to train
-        if ref_logprobs is not None:
-            t["ref"] = pad(ref_logprobs, torch.float32)
-        return t
+        return batch_tensors(batch, ref_logprobs, self.policy_version)
 
     def _forward_loss(self, t: dict, plan: ForwardPlan, rows: list[int], episodes: list[int], weight: float, totals):
         """The loss of `episodes` from one forward of the `rows` that serve them (scoring.py); `piece` holds
