@@ -473,3 +473,24 @@ def test_ppo_resume_restores_the_value_head(model_dir, tmp_path):
     asyncio.run(Trainer.export_hf._method(resumed, str(tmp_path / "hf")))
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as exported:
         assert not [k for k in exported.keys() if "value" in k]
+
+
+def test_ppo_on_two_ranks_matches_one(loop, model_dir):
+    """FSDP2 over 2 ranks shards the head with the root; each rank scores its own rows' values and the no-grad
+    pass sums them, so both ranks fix the same advantages: the same value loss and loss as one rank, twice."""
+
+    async def main():
+        one, two = await asyncio.gather(
+            Trainer.options(procs=1).as_actor(model_dir, GRPOLoss(PPO), OPTIM, micro_batch_size=2),
+            Trainer.options(procs=2).as_actor(model_dir, GRPOLoss(PPO), OPTIM, micro_batch_size=2),
+        )
+        try:
+            batch = make_batch(seed=5)
+            return [(await one.train_step.call_one(batch), ranks(await two.train_step.call(batch))) for _ in range(2)]
+        finally:
+            await asyncio.gather(stop(one), stop(two))
+
+    for m1, (m2, m2b) in loop.run_until_complete(main()):
+        assert m2 == m2b
+        for key in ("loss", "value_loss", "value_mean", "value_explained_variance", "grad_norm"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
