@@ -160,6 +160,31 @@ def test_resume_restores_the_adapters_and_their_optimizer_state(tiny, tmp_path):
     assert model_keys and all(".lora_" in k for k in model_keys), "the base weights are the model directory's, not saved"
 
 
+def test_ppos_value_head_trains_beside_the_adapters_and_resumes(tiny, tmp_path):
+    """estimator ppo under LoRA: the head trains with the adapters (the base stays frozen), the checkpoint holds
+    both and nothing else of the model, and a resumed trainer continues with the same numbers."""
+    ppo = GRPOLoss(GRPOConfig(estimator="ppo", value_coef=1.0))
+    optim = OptimizerConfig(lr=1e-2, schedule="constant")
+    first, batch = Trainer(tiny, ppo, optim, micro_batch_size=4, lora=LoraConfig(rank=4)), batch_for(100)
+    asyncio.run(Trainer.setup._method(first))
+    base = first.model.layers["0"].attention.wq.base_layer.weight.detach().clone()
+    for _ in range(2):
+        asyncio.run(Trainer.train_step._method(first, batch, None))
+    assert first.model.value_head.weight.abs().sum() > 0 and torch.equal(first.model.layers["0"].attention.wq.base_layer.weight, base)
+    asyncio.run(Trainer.save_checkpoint._method(first, str(tmp_path / "ckpt")))
+    expected = asyncio.run(Trainer.train_step._method(first, batch, None))
+    resumed = Trainer(tiny, ppo, optim, micro_batch_size=4, lora=LoraConfig(rank=4))
+    asyncio.run(Trainer.setup._method(resumed))
+    asyncio.run(Trainer.load_checkpoint._method(resumed, str(tmp_path / "ckpt")))
+    again = asyncio.run(Trainer.train_step._method(resumed, batch, None))
+    assert (again["loss"], again["value_loss"]) == (expected["loss"], expected["value_loss"])
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = [k for k in FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata if k.startswith("model.")]
+    assert {"model.value_head.weight", "model.value_head.bias"} <= set(saved)
+    assert all(".lora_" in k or ".value_head." in k for k in saved)
+
+
 def export_command(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "forge_rl.checkpoint", "export", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
