@@ -401,7 +401,6 @@ def test_the_entropy_floor_is_decided_once_for_the_whole_batch(model_dir):
     is on for the step: every micro-batch gets it, also those whose own entropy is above the floor. Equal
     rewards (zero advantages) leave the bonus alone in the loss: -coef x the batch's mean entropy, the same
     in one piece or in one piece per episode."""
-    from forge_rl.core.loss import token_entropy
     from forge_rl.engines.titan.model import sequence_logprobs
 
     batch = make_batch()
@@ -411,9 +410,9 @@ def test_the_entropy_floor_is_decided_once_for_the_whole_batch(model_dir):
     per_episode, weights = [], []
     with torch.no_grad():
         for e in batch:
-            _, logits = sequence_logprobs(probe.model, e.tokens[None], True)
+            _, entropy = sequence_logprobs(probe.model, e.tokens[None], entropy=True)
             mask = e.loss_mask[1:].float()
-            per_episode.append(float((token_entropy(logits)[0] * mask).sum() / mask.sum()))
+            per_episode.append(float((entropy[0] * mask).sum() / mask.sum()))
             weights.append(float(mask.sum()))
     mean = sum(h * w for h, w in zip(per_episode, weights)) / sum(weights)
     assert mean < max(per_episode), per_episode

@@ -27,18 +27,6 @@ from forge_rl.core.config import GRPOConfig
 # ---------------------------------------------------------------------------- per token
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(targets) under logits: logits [B, T, V], targets [B, T] -> [B, T] (fp32)."""
-    logp = F.log_softmax(logits.float(), dim=-1)  # [B, T, V]
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of each position's next-token distribution: logits [B, T, V] -> [B, T]."""
-    logp = F.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 # KL(policy || reference) estimated from tokens the policy sampled (Schulman, "Approximating
 # KL divergence", 2020). With log_r = ref - policy: k1 = -log_r is unbiased but can go
 # negative; k2 = log_r^2 / 2 is biased but low-variance; k3 = e^log_r - 1 - log_r is
