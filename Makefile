@@ -9,7 +9,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml scripts/install.sh
+$(VENV)/.installed: pyproject.toml scripts/install.sh forge_rl/envs/requirements.txt
 	bash scripts/install.sh
 	touch $@
 
@@ -30,4 +30,4 @@ bench: install  ## figures as ratios against same-run baselines (bench/engine.py
 	$(PYTHON) bench/engine.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .venv-env runs .pytest_cache
