@@ -71,4 +71,7 @@ if ! command -v bwrap >/dev/null 2>&1; then
 fi
 step "$VENV/bin/python" -c "import vllm, monarch, torchstore, torchtitan, pyspiel, transformers, gguf, accelerate, peft"
 install_servers
+# `make test` runs tests/servers/ with the servers' python; the servers' image (`install.sh servers`) has no pytest.
+"$SERVER_VENV/bin/python" -c "import pytest, pytest_timeout" 2>/dev/null ||
+    step "$SERVER_VENV/bin/python" -m pip --disable-pip-version-check install --quiet pytest==9.2.0 pytest-timeout==2.4.0
 echo "install: done ($machine)"
