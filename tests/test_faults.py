@@ -310,3 +310,54 @@ def test_a_generator_restarting_during_a_shm_push_waits_for_it_and_catches_up(tm
                 logging.getLogger(name).removeHandler(recorder)
 
     asyncio.run(main())
+
+
+@pytest.mark.slow  # two engines and a third started mid-run: minutes on 2 cores
+@pytest.mark.timeout(1200)
+def test_under_broadcast_a_dead_generator_loses_no_step_and_rejoins_at_the_newest_version(tmp_path):
+    """Two generator replicas with weight_sync=broadcast; kill -9 of one replica's vLLM engine mid-run. The
+    trainer keeps publishing to the survivor (no step lost, no stall: each update reaches one replica),
+    the restarted replica forms a group of its own with the trainer, is sent the version the trainer
+    holds, and every later version reaches both. With one group for all, the next send failed and so did
+    every step after it."""
+    from tests.test_app import CONFIG, SMALL, descendants
+    from forge_rl.recipes.metrics import read_metrics
+
+    run_dir, console = tmp_path / "run", tmp_path / "console.txt"
+    with open(console, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "forge_rl.grpo", "--config", str(CONFIG), f"run_dir={run_dir}", *SMALL,
+             "generator.num_replicas=2", "generator.weight_sync=broadcast", "trainer.max_steps=1000",
+             "synchronous=true", "eval.interval=0", "trainer.checkpoint_every=0"],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+
+    def replicas() -> list[int]:
+        return [int(r["weight_sync/replicas"]) for r in read_metrics(run_dir) if "train/loss" in r]
+
+    def wait(condition, what: str, timeout: float = 600) -> None:
+        deadline = time.time() + timeout
+        while not condition():
+            assert proc.poll() is None, f"the run ended while waiting for {what}: " + console.read_text()[-3000:]
+            assert time.time() < deadline, f"no {what} within {timeout:.0f} s"
+            time.sleep(0.5)
+
+    try:
+        wait(lambda: len(replicas()) >= 2, "second step")
+        engines = [p for p in descendants(proc) if p.name() == "VLLM::EngineCore"]
+        assert len(engines) == 2, engines
+        os.kill(engines[0].pid, signal.SIGKILL)
+        killed_at = len(replicas())
+        wait(lambda: 1 in replicas()[killed_at:], "a step published to the survivor alone")
+        wait(lambda: replicas()[-3:] == [2, 2, 2] and 1 in replicas()[killed_at:-3], "three steps reaching both replicas again")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=300)
+    text = console.read_text()
+    records = [r for r in read_metrics(run_dir) if "train/loss" in r]
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1)), "a step lost or repeated"
+    assert [r["train/policy_version"] for r in records] == list(range(1, len(records) + 1))
+    assert replicas()[:killed_at - 1] == [2] * (killed_at - 1), replicas()  # the step under way may have lost it
+    rejoined = re.search(r"generator replica (\d) rejoined the weights broadcast at version (\d+)", text)
+    assert rejoined and int(rejoined.group(2)) > killed_at, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]

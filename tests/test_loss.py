@@ -284,3 +284,21 @@ def test_sequence_level_ratio_clips_whole_sequences_by_their_geometric_mean():
     lp.grad = None
     grpo_loss(lp, behaviour, adv, mask, grpo())[0].backward()  # the token ratio, for contrast
     close(lp.grad, [[-1.2 / 6, -1.2 / 6], [0, 0], [0, -0.5 / 6]])
+
+
+def test_value_loss_by_hand_and_its_clip():
+    """0.5 (V - R)^2 over the masked turns; clipped, a prediction that moved past +-clip from the step-start value
+    counts at the clipped value when that is worse (PPO's and TRL's max of the two)."""
+    from forge_rl.core.loss import value_loss
+
+    old = torch.tensor([[0.0, 0.0, 0.0]])
+    new = torch.tensor([[0.5, -0.1, 7.0]], requires_grad=True)
+    returns = torch.tensor([[1.0, -1.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third is no turn's start
+    plain = value_loss(new, old, returns, mask)
+    torch.testing.assert_close(plain, torch.tensor(0.5 * (0.25 + 0.81) / 2))
+    # clip 0.2: the first counts as 0.2 (error 0.64 > 0.25), the second stays (0.81 > 0.64 at -0.1 is itself)
+    clipped = value_loss(new, old, returns, mask, clip=0.2, denominator=4.0)
+    torch.testing.assert_close(clipped, torch.tensor(0.5 * (0.64 + 0.81) / 4))
+    clipped.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[0.0, 0.9 / 4, 0.0]]))  # the clipped one has no gradient

@@ -238,3 +238,25 @@ def grpo_loss(
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy)
     return loss, {k: v.detach().float() for k, v in metrics.items()}
+
+
+# ---------------------------------------------------------------------------- the value loss
+
+
+def value_loss(
+    values: torch.Tensor,  # [B, T] the value head's predictions (with grad), read where `mask` is 1
+    old_values: torch.Tensor,  # [B, T] its predictions before the step's update (the advantages' baseline)
+    returns: torch.Tensor,  # [B, T] each turn's value target, the lambda-return A + V (estimators/ppo.py)
+    mask: torch.Tensor,  # [B, T] 1 at the first sampled token of each turn: one value per turn
+    clip: float | None = None,  # PPO's value clip: a prediction counts as if within +-clip of old_values
+    denominator: float | None = None,  # the batch's number of turns, when this is a piece of it
+) -> torch.Tensor:
+    """0.5 (V - return)^2 summed over turns / denominator. Clipped as in PPO's implementation (and TRL's): the
+    larger of the plain and the clipped prediction's squared error, so the head cannot move far in one step."""
+    mask = mask.to(values.dtype)
+    error = (values - returns) ** 2
+    if clip is not None:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        error = torch.maximum(error, (clipped - returns) ** 2)
+    denominator = mask.sum().clamp(min=1) if denominator is None else denominator
+    return 0.5 * (error * mask).sum() / denominator

@@ -28,6 +28,7 @@ from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
 from forge_rl.core.loss import token_logprobs
+from forge_rl.engines.titan import value_head as value_heads
 from forge_rl.engines.titan.lora import apply_lora, initial_state, lora_layers, with_base_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -132,10 +133,13 @@ def init_distributed() -> tuple[int, int, torch.device]:
 # ---------------------------------------------------------------------------- the model
 
 
-def build_model(hf_dir: str | Path, device: torch.device, dtype: str = "float32", shard: bool | None = None, lora=None):
+def build_model(
+    hf_dir: str | Path, device: torch.device, dtype: str = "float32", shard: bool | None = None, lora=None, value_head: bool = False
+):
     """TorchTitan model holding the HF checkpoint's weights; returns (model, adapter).
 
-    Built on the meta device, with LoRA layers when `lora` (a LoraConfig) is given (lora.py), sharded with
+    Built on the meta device, with LoRA layers when `lora` (a LoraConfig) is given (lora.py) and PPO's value head
+    when `value_head` (value_head.py: after LoRA, which freezes every other parameter), sharded with
     FSDP2 over all ranks when there is more than one (`shard` overrides), then materialised and filled from
     the HF safetensors (and the adapters' starting values). Parameters stay fp32 (the optimizer's master
     copy); `dtype` is the compute dtype: FSDP's mixed precision when sharded, autocast otherwise.
@@ -152,6 +156,8 @@ def build_model(hf_dir: str | Path, device: torch.device, dtype: str = "float32"
         model = model_cls(args)
     if lora is not None:
         apply_lora(model, adapter, lora)
+    if value_head:
+        value_heads.attach(model)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if shard if shard is not None else world > 1:
         shard_model(model, init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",)), dtype)
@@ -188,7 +194,7 @@ def load_hf_weights(model: torch.nn.Module, adapter, hf_dir: Path) -> None:
         hf_state.update(load_file(str(file)))
     if not hf_state:
         raise FileNotFoundError(f"{hf_dir}: no *.safetensors weights found")
-    state = {k: v.float() for k, v in adapter.from_hf(hf_state).items()}
+    state = {k: v.float() for k, v in adapter.from_hf(hf_state).items()} | value_heads.initial_state(model)
     if lora_layers(model):
         state = with_base_names(state, model) | initial_state(model)
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
