@@ -17,9 +17,6 @@ if __name__ == "__main__":
         print(usage("forge_rl.config", WHAT))
         raise SystemExit(0)
     config = parse_cli()
-    from forge_rl.compat.openenv import skip_gradio
-
-    skip_gradio()  # env.server's module imports openenv, whose web UI import takes seconds
     from forge_rl.recipes.grpo.check import check_run
 
     try:

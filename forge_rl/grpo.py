@@ -19,9 +19,6 @@ if __name__ == "__main__":
         print(usage("forge_rl.grpo", WHAT))
         raise SystemExit(0)
     config = parse_cli()
-    from forge_rl.compat.openenv import skip_gradio
-
-    skip_gradio()  # a run's own process never mounts openenv's web UI: skip its import (seconds)
     from forge_rl.recipes.grpo.main import run_from_command_line
 
     run_from_command_line(config)

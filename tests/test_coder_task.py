@@ -1,13 +1,14 @@
-"""The code app's task module against the tiny model's tokenizer and the server's task generator
-(no actors): prompts without unknown words, one token per answer word, answers parsed per turn."""
+"""The code app's task module against the tiny model's tokenizer and the server's task generator (run in the
+servers' virtualenv, tests/server_venv.py; no actors): prompts without unknown words, one token per answer
+word, answers parsed per turn."""
 
 import pytest
 
 from apps.coder import task
 from forge_rl.core.app import load_app
-from apps.coder.env import synth_task
 from forge_rl.rollout.play import GameResult, answer_token_ids, prompt_ids
 from forge_rl.models.tiny import build_tiny_model
+from tests.server_venv import synth_tasks
 
 
 @pytest.fixture(scope="module")
@@ -15,6 +16,11 @@ def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+def synth_task(seed, family=1):
+    """Seeds 0-299 of a family, fetched from the server's code at once (one process for all)."""
+    return synth_tasks(tuple(range(300)), family)[seed]
 
 
 def observation(seed, family=1, **fields):

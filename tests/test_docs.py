@@ -107,7 +107,7 @@ def anchors(page: Path) -> set[str]:
 
 
 def test_code_and_configs_name_only_pages_that_exist():
-    files = [p for p in ROOT.rglob("*") if p.is_file() and ".git" not in p.parts and ".venv" not in p.parts
+    files = [p for p in ROOT.rglob("*") if p.is_file() and ".git" not in p.parts and ".venv" not in p.parts and ".venv-env" not in p.parts
              and (p.suffix in (".py", ".yaml", ".sh", ".toml") or p.name in ("Dockerfile", "Makefile", "Kustomization"))]
     named = {(f.relative_to(ROOT), d) for f in files for d in re.findall(r"docs/[\w/.-]*\.md", f.read_text(errors="replace"))}
     assert named and all((ROOT / d).is_file() for _, d in named), sorted(str(x) for x in named if not (ROOT / x[1]).is_file())

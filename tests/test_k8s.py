@@ -26,6 +26,7 @@ import yaml
 
 from forge_rl.core.config import parse_cli
 from forge_rl.core.net import free_port
+from forge_rl.envs.local import server_python
 
 ROOT = Path(__file__).resolve().parents[1]
 # The oldest Kubernetes release still widely run, and the newest schemas kubernetes-validate ships
@@ -33,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
 NAMESPACE = "forge-rl"
 IMAGE = "forge-rl:0.1.0"  # a fixed tag, never `latest`: every pod of a run runs the same build
+ENV_IMAGE = "forge-rl-env:0.1.0"  # the environment servers' (Dockerfile.env: openenv 0.10 cannot sit beside vLLM)
+ENV_SERVERS = ("blackjack", "code-interpreter")
 SERVER_START_TIMEOUT_S = 120
 
 
@@ -120,8 +123,9 @@ def test_renders_one_run_in_its_own_namespace(objects):
     for o in objects:
         if o["kind"] in ("Deployment", "Job", "StatefulSet"):
             spec = pod_spec(o)
+            image = ENV_IMAGE if o["metadata"]["name"] in ENV_SERVERS else IMAGE
             for c in spec["containers"] + spec.get("initContainers", []):
-                assert c["image"] == IMAGE, f"{o['metadata']['name']}/{c['name']} bypasses the images: entry"
+                assert c["image"] == image, f"{o['metadata']['name']}/{c['name']} bypasses the images: entry"
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -236,6 +240,9 @@ def test_the_image_user_is_the_one_the_pods_run_as(objects):
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^RUN .*make install$", dockerfile, re.M), "the image must install the project as the README does"
     uid = int(re.search(r"useradd --uid (\d+)", dockerfile).group(1))
+    env_dockerfile = (ROOT / "Dockerfile.env").read_text()
+    assert re.search(r"^RUN bash scripts/install.sh servers$", env_dockerfile, re.M), "the servers' image must make .venv-env as make install does"
+    assert int(re.search(r"useradd --uid (\d+)", env_dockerfile).group(1)) == uid
     for kind, name in [("Deployment", "blackjack"), ("Job", "blackjack-grpo"), ("StatefulSet", "trainer")]:
         assert pod_spec(find(objects, kind, name))["securityContext"]["runAsUser"] == uid, f"{kind} {name}"
 
@@ -257,7 +264,8 @@ def test_deployment_command_serves_health_on_loopback(objects, name, tmp_path):
 
     # The same command, on loopback and a free port, with the container's environment.
     local_port = free_port()
-    command[0] = sys.executable
+    command[0] = server_python()  # the servers' image runs .venv-env's python
+    assert module.startswith("apps.")  # found on the image's PYTHONPATH, as here on the repository's
     command[command.index("--host") + 1] = "127.0.0.1"
     command[command.index("--port") + 1] = str(local_port)
     env = {**os.environ, **{e["name"]: e["value"] for e in server.get("env", [])}}

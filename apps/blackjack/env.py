@@ -40,8 +40,7 @@ from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
-ACTIONS = {"HIT": 0, "STAND": 1}  # OpenSpiel's action ids
-ACTION_NAMES = {v: k for k, v in ACTIONS.items()}
+from apps.blackjack.rules import ACTION_NAMES, ACTIONS, card_name as _card_name, hand  # noqa: F401 (hand: env's too)
 REWARDS = ("outcome", "expected")
 
 
@@ -70,17 +69,6 @@ class BlackJackState(State):
     actions: list[str] = Field(default_factory=list)
     cards_dealt: int = Field(0, description="from the top of the shoe: the initial deal, then the dealer's draws")
     hits_dealt: int = Field(0, description="from the bottom of the shoe: the player's hits")
-
-
-def _card_name(state: pyspiel.State, card: int) -> str:
-    suit_rank = state.action_to_string(pyspiel.PlayerId.CHANCE, card)  # OpenSpiel's "CT", "HA"
-    return suit_rank[1:].replace("T", "10") + suit_rank[0]
-
-
-def _hard_total(names: list[str]) -> int:
-    """Aces as 1: only to tell whether OpenSpiel's best total counted an ace as 11 (soft)."""
-    faces = {"A": 1, "J": 10, "Q": 10, "K": 10}
-    return sum(faces.get(n[:-1]) or int(n[:-1]) for n in names)
 
 
 class BlackJackEnvironment(Environment[BlackJackAction, BlackJackObservation, BlackJackState]):
@@ -160,16 +148,6 @@ class BlackJackEnvironment(Environment[BlackJackAction, BlackJackObservation, Bl
 
     def _final_reward(self) -> float:
         return expected_return(self._spiel) if self._reward == "expected" else float(self._spiel.returns()[0])
-
-
-def hand(s: pyspiel.State) -> dict[str, Any]:
-    """What the player sees of an OpenSpiel BlackJack state: its cards and best total (soft when an ace
-    counts 11), the dealer's visible card, the legal actions. Also read by outside.py."""
-    player = [_card_name(s, c) for c in s.cards(0)]
-    total = s.get_best_player_total(0)
-    legal = [] if s.is_terminal() else [ACTION_NAMES[a] for a in s.legal_actions()]
-    return {"player_cards": player, "player_total": total, "soft": total == _hard_total(player) + 10,
-            "dealer_card": _card_name(s, s.dealers_visible_card()), "legal_actions": legal}
 
 
 def _value(state: pyspiel.State, card: int) -> int:

@@ -17,7 +17,7 @@ import pyspiel
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from apps.blackjack.env import ACTIONS as OPENSPIEL_ACTIONS, hand
+from apps.blackjack.rules import ACTIONS as OPENSPIEL_ACTIONS, hand
 
 
 def play(model_dir: str, app_name: str, games: int, seed: int = 0, template_kwargs: dict | None = None) -> tuple[float, float]:

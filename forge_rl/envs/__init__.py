@@ -1,6 +1,6 @@
 """Environments as OpenEnv servers, and the one way to start any of them.
 
-An environment is an openenv-core `Environment` subclass whose generic parameters name its
+An environment is an openenv 0.10 `Environment` subclass whose generic parameters name its
 Action and Observation types (`Environment[MyAction, MyObservation, State]`). `serve` turns it
 into an HTTP/WebSocket server (`create_app`) with a `/health` that also reports what the
 environment wants known (`health_info()`, e.g. the sandbox mode). Start one with
@@ -8,8 +8,9 @@ environment wants known (`health_info()`, e.g. the sandbox mode). Start one with
     python -m forge_rl.envs apps.blackjack.env:BlackJackEnvironment --port 8001   # any module:Class
     python -m apps.blackjack.env --port 8001                                      # a module that calls serve()
 
-`launch_local` (local.py) starts one on 127.0.0.1 for a run whose config names `env.server`. Kept free of
-openenv imports at module level: a run's controller imports this package too.
+Servers run in a virtualenv of their own (`.venv-env`, made by `make install`: openenv 0.10 cannot share one
+with vLLM); `launch_local` (local.py) starts one with its python on 127.0.0.1 for a run whose config names
+`env.server`. Kept free of openenv imports at module level: a run's controller imports this package too.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """`python -m forge_rl.envs module:Class --host --port`: serve any OpenEnv environment class.
 
-openenv-core 0.3.0 imports gradio (about 3 s) for a web UI these servers never mount; a server
-process skips it unless ENABLE_WEB_INTERFACE asks for that UI. Only this entry point does so,
-never a library import.
+Runs in the server virtualenv (openenv 0.10.0; local.py `server_python`). openenv imports gradio
+(seconds) for a web UI these servers never mount; a server process skips it unless ENABLE_WEB_INTERFACE
+asks for that UI. Only this entry point does so, never a library import.
 """
 
 import os

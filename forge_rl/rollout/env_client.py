@@ -1,11 +1,12 @@
 """The client side of environments: one WebSocket session per episode.
 
-`EnvSession` wraps OpenEnv's client (the WebSocket protocol stays OpenEnv's; compat/openenv.py) and adds
-what a training run needs from a remote environment:
+`EnvSession` speaks OpenEnv 0.10's protocol itself (wire.py; no openenv import) and adds what a training run
+needs from a remote environment:
   - a timeout on every call (connect, reset, step), so a hung server cannot hang a rollout;
   - reconnect-and-retry when the connection drops or the server restarts mid-episode, restoring
     the episode on the new session (see `restore`); an episode that cannot be restored raises
     `EpisodeAborted` and is dropped by the caller, never continued on a wrong state;
+  - waiting for a session while the server is full (CAPACITY_REACHED), up to `capacity_wait_s`;
   - typed errors: `EnvCapacityError` (server at MAX_CONCURRENT_ENVS), `EnvError` (the server
     refused a message; the session is still usable).
 """
@@ -16,10 +17,9 @@ import asyncio
 import time
 from typing import Any
 
-from openenv.core.client_types import StepResult
 from websockets.exceptions import WebSocketException
 
-from forge_rl.compat.openenv import wire_client_class
+from forge_rl.rollout.wire import Connection, ServerError, StepResult
 
 RESTORE_MODES = ("replay", "reset", "none")
 
@@ -29,7 +29,10 @@ class EnvError(RuntimeError):
 
 
 class EnvCapacityError(EnvError):
-    """The server already serves MAX_CONCURRENT_ENVS sessions: raise it there, or add replicas."""
+    """The server already serves MAX_CONCURRENT_ENVS sessions: raise it there, or add replicas.
+    `max_sessions`: what the server said it accepts (None if it did not say)."""
+
+    max_sessions: int | None = None
 
 
 class EpisodeAborted(RuntimeError):
@@ -40,13 +43,12 @@ class EpisodeAborted(RuntimeError):
 _TRANSIENT = (ConnectionError, OSError, WebSocketException, asyncio.TimeoutError, EOFError)
 
 
-class _WireClient(wire_client_class()):
-    """OpenEnv's dict client, raising typed errors instead of a bare RuntimeError."""
-
-    def server_error(self, url: str, data: dict) -> Exception:
-        kind = EnvCapacityError if data.get("code") == "CAPACITY_REACHED" else EnvError
-        detail = f"; {data['errors']}" if data.get("errors") else ""
-        return kind(f"{url}: {data.get('message')} ({data.get('code')}){detail}")
+def typed_error(error: ServerError) -> EnvError:
+    if error.code == "CAPACITY_REACHED":
+        typed = EnvCapacityError(str(error))
+        typed.max_sessions = error.data.get("max_sessions")
+        return typed
+    return EnvError(str(error))
 
 
 class EnvSession:
@@ -59,9 +61,11 @@ class EnvSession:
       "reset":  reset with the same arguments, nothing else; for environments whose steps do
                 not depend on earlier ones (the code interpreter).
       "none":   a drop after reset aborts the episode.
+    capacity_wait_s: a server at capacity (CAPACITY_REACHED) is asked again, with backoff, for this long
+    before EnvCapacityError; 0 raises at once.
     Invariant: a call returns only observations of the episode as the caller has seen it; when
     that cannot be guaranteed it raises EpisodeAborted. Not safe for concurrent use; open one
-    session per concurrent episode.
+    session per concurrent episode. close() ends the server's session (its slot is free again).
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class EnvSession:
         reconnect_window_s: float = 30.0,
         max_restores: int = 3,
         restore: str = "replay",
+        capacity_wait_s: float = 0.0,
     ):
         if restore not in RESTORE_MODES:
             raise ValueError(f"restore must be one of {RESTORE_MODES}, got {restore!r}")
@@ -84,15 +89,17 @@ class EnvSession:
         self.reconnect_window_s = reconnect_window_s
         self.max_restores = max_restores
         self.restore = restore
+        self.capacity_wait_s = capacity_wait_s
         self.reconnects = 0  # sessions rebuilt after a drop, over this object's life
-        self._client: _WireClient | None = None
+        self.capacity_waits = 0  # times the server was full when this session asked for one
+        self._conn: Connection | None = None
         self._reset_kwargs: dict[str, Any] | None = None  # None: no episode started
         self._actions: list[dict[str, Any]] = []
         self._last: StepResult | None = None
         self._lost = False  # the connection dropped mid-episode; restore before the next call
 
     async def reset(self, **kwargs: Any) -> StepResult:
-        """Start a new episode (e.g. reset(seed=7)); observation is the server's dict."""
+        """Start a new episode (e.g. reset(seed=7), reset(split="eval", index=3)); observation is the server's dict."""
         self._reset_kwargs, self._actions, self._last, self._lost = None, [], None, False
         result = await self._call("reset", kwargs)
         seed = result.observation.get("seed")
@@ -101,7 +108,7 @@ class EnvSession:
         return result
 
     async def step(self, action: Any) -> StepResult:
-        """Send one action (a dict or an OpenEnv Action) and return the server's answer."""
+        """Send one action (a dict, or a pydantic model) and return the server's answer."""
         if self._reset_kwargs is None:
             raise EnvError("step() before reset(): start an episode first")
         payload = action.model_dump() if hasattr(action, "model_dump") else dict(action)
@@ -130,14 +137,18 @@ class EnvSession:
             raise
 
     async def _call_with_retries(self, kind: str, payload: dict[str, Any]) -> StepResult:
-        failures = 0
+        failures, full_until, delay = 0, time.monotonic() + self.capacity_wait_s, 0.05
         while True:
             try:
                 await self._connect()
                 return await self._send(kind, payload)
             except EnvCapacityError:
                 await self._discard()
-                raise
+                if time.monotonic() + delay > full_until:
+                    raise
+                self.capacity_waits += 1
+                await asyncio.sleep(delay)  # another client holds the server's sessions: wait for one to end
+                delay = min(delay * 2, 1.0)
             except _TRANSIENT as e:
                 await self._discard()
                 failures += 1
@@ -152,18 +163,19 @@ class EnvSession:
 
     async def _send(self, kind: str, payload: dict[str, Any]) -> StepResult:
         """One request on the current connection, bounded by timeout_s."""
-        call = self._client.reset(**payload) if kind == "reset" else self._client.step(payload)
-        return await asyncio.wait_for(call, self.timeout_s)
+        try:
+            return await asyncio.wait_for(self._conn.request(kind, payload), self.timeout_s)
+        except ServerError as e:
+            raise typed_error(e) from None
 
     async def _connect(self) -> None:
         """Open a connection if there is none, retrying with backoff; restore the episode if lost."""
-        if self._client is not None:
+        if self._conn is not None:
             return
         deadline, delay = time.monotonic() + self.reconnect_window_s, 0.05
         while True:
             try:
-                client = _WireClient(self.url, self.connect_timeout_s, self.timeout_s)
-                self._client = await client.connect()
+                self._conn = await Connection(self.url, self.connect_timeout_s).open()
                 if self._lost:
                     await self._restore()
                     self._lost = False
@@ -199,9 +211,9 @@ class EnvSession:
                 )
 
     async def _discard(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
             try:
-                await asyncio.wait_for(client.disconnect(), 2.0)
+                await asyncio.wait_for(conn.close(), 2.0)
             except Exception:
                 pass  # the connection is already broken; nothing to save

@@ -20,7 +20,8 @@ def figures(values: dict) -> str:
 
 class Evaluation:
     """The run's evaluation: seeds eval.seed ... eval.seed + num_games - 1 with eval.reset_args over
-    env.reset_args. `references` holds the reference policies' mean rewards on those seeds (played once),
+    env.reset_args; with eval.task_split, game i also resets on task i of that split (at most all of its
+    tasks). `references` holds the reference policies' mean rewards on those games (played once),
     `last` the figures of the last evaluation (the progress bar's headline), `samples` a few of its games
     as text (the first seeds': the same deals at every evaluation)."""
 
@@ -33,22 +34,30 @@ class Evaluation:
         self.last: dict[str, float] = {}
         self.samples: list[dict] = []
 
+    def games(self) -> list[tuple[int, dict]]:
+        """(seed, reset arguments) of each evaluation game."""
+        split = self.rollouts.cfg.eval.task_split
+        if split is None:
+            return [(seed, self.reset_args) for seed in self.seeds]
+        n = min(len(self.seeds), self.rollouts.num_tasks[split])
+        return [(seed, {**self.reset_args, "split": split, "index": i}) for i, seed in zip(range(n), self.seeds)]
+
     async def play_references(self) -> dict[str, float]:
         """The app's REFERENCE_POLICIES on the evaluation seeds: what the model's figures are read against,
         free of the seeds' luck. Played once per run."""
         for name, policy in self.rollouts.app.reference_policies.items():
-            returns = await asyncio.gather(*(self._play_reference(policy, s) for s in self.seeds))
+            returns = await asyncio.gather(*(self._play_reference(policy, s, args) for s, args in self.games()))
             returns = [r for r in returns if r is not None]
             if returns:
                 self.references[REFERENCE_PREFIX + name] = sum(returns) / len(returns)
         return self.references
 
-    async def _play_reference(self, policy, seed: int) -> float | None:
+    async def _play_reference(self, policy, seed: int, reset_args: dict) -> float | None:
         """One game of a reference policy (observation -> answer text, or None where it has no answer) on
         its own session: its reward, None if it had no answer."""
         app = self.rollouts.app
         async with self.rollouts.sessions.session() as session:
-            observation = (await session.reset(seed=seed, **self.reset_args)).observation
+            observation = (await session.reset(seed=seed, **reset_args)).observation
             while not observation["done"]:
                 answer = policy(observation)
                 if answer is None:
@@ -59,7 +68,7 @@ class Evaluation:
     async def __call__(self) -> dict[str, float]:
         """Greedy play on the seeds with the current weights: the app's eval_metrics, its headline first."""
         greedy = GreedyAnswers(self.rollouts.generate, self.rollouts.sampling(greedy=True))
-        results = await gather_or_cancel(self.rollouts.play(s, f"eval{s}", greedy, self.reset_args) for s in self.seeds)
+        results = await gather_or_cancel(self.rollouts.play(s, f"eval{s}", greedy, args) for s, args in self.games())
         done = [r for r in results if not r.aborted]
         self.samples = self.rollouts.samples(done)
         if not done:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 
 from forge_rl.core.app import App
 from forge_rl.core.config import RunConfig
@@ -55,7 +56,8 @@ class Rollouts:
         self.cfg, self.app, self.tokenizer, self.policy = cfg, app, tokenizer, policy
         self.allowed_token_ids = allowed_token_ids  # constrained decoding: the only ids the policy may sample
         self.answer_length = cfg.sampling.max_tokens if app.multi_token_answers else 1  # tokens per answer
-        self.sessions = SessionPool(env_url, cfg.env.max_concurrent, cfg.env.timeout_s)
+        self.sessions = SessionPool(env_url, cfg.env.max_concurrent, cfg.env.timeout_s, cfg.env.capacity_wait_s)
+        self.num_tasks: dict[str, int] = {}  # split -> its tasks, asked of the server at start (env/eval.task_split)
         self.batcher: RequestBatcher | None = None  # made on the first request (it needs the running loop)
         self.agents = None  # agent apps: the task starting the chat server (rollout/agents.py)
         self.episodes_played = 0
@@ -83,11 +85,21 @@ class Rollouts:
             return await play_agent(self, seed, group_id, asks, reset_args)
         return await play_game(self, seed, group_id, asks, reset_args)
 
+    def task_reset_args(self, seed: int) -> dict | None:
+        """With env.task_split, the group's task: the split and an index drawn from the run's and the group's
+        seeds (the same task on a resumed run), over env.reset_args; None without a split (seeds alone)."""
+        split = self.cfg.env.task_split
+        if split is None:
+            return None
+        index = random.Random(f"{self.cfg.seed}:{seed}").randrange(self.num_tasks[split])
+        return {**self.cfg.env.reset_args, "split": split, "index": index}
+
     async def group(self, seed: int) -> list[Episode] | None:
-        """G games dealt from one seed: the group GRPO compares (same cards, different decisions)."""
-        size = self.cfg.grpo.group_size
+        """G games dealt from one seed (on one task with env.task_split): the group GRPO compares (same
+        cards, different decisions)."""
+        size, reset_args = self.cfg.grpo.group_size, self.task_reset_args(seed)
         shared = SharedRequests(self.generate, size, self.sampling(), seed=(self.cfg.seed, seed))
-        results = await gather_or_cancel(self.play(seed, f"seed{seed}", shared) for _ in range(size))
+        results = await gather_or_cancel(self.play(seed, f"seed{seed}", shared, reset_args) for _ in range(size))
         self.episodes_played += len(results)
         self.last_group = results
         self.aborted_games += sum(r.aborted for r in results)

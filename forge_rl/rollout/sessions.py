@@ -1,5 +1,5 @@
-"""The run's environment sessions: a pool of open WebSocket sessions reused game after game, and the check
-that a running server accepts as many as the pool will hold."""
+"""The run's environment sessions: a pool of open WebSocket sessions reused game after game; the check that a
+running server accepts as many as the pool will hold, and the sizes of the task splits the config names."""
 
 from __future__ import annotations
 
@@ -10,25 +10,29 @@ import logging
 import urllib.request
 
 from forge_rl.core.config import ConfigError
+from forge_rl.core.errors import first_line
 from forge_rl.rollout.env_client import EnvSession
+from forge_rl.rollout.wire import task_split_size
 
 logger = logging.getLogger(__name__)
 
 
 class SessionPool:
-    """At most `size` environment sessions, each kept open and reused for one game after another
-    (a WebSocket connection per game would cost more than the game). A session that raised out of a
-    game is closed, not reused."""
+    """At most `size` environment sessions: games beyond them queue here for a free one. Each session is
+    kept open and reused for one game after another (a WebSocket connection per game would cost more than
+    the game); a session that raised out of a game is closed, not reused. Sized to what the server accepts
+    (fit_sessions_to_server), a run never holds more sessions than that, so a one-session server serves a
+    whole run; a server full of another client's sessions is asked again for `capacity_wait_s`."""
 
-    def __init__(self, url: str, size: int, timeout_s: float):
-        self.url, self.timeout_s = url, timeout_s
+    def __init__(self, url: str, size: int, timeout_s: float, capacity_wait_s: float = 0.0):
+        self.url, self.timeout_s, self.capacity_wait_s = url, timeout_s, capacity_wait_s
         self.free: asyncio.Queue = asyncio.Queue()
         for _ in range(size):
             self.free.put_nowait(None)  # a slot without a session yet
 
     @contextlib.asynccontextmanager
     async def session(self):
-        session = await self.free.get() or EnvSession(self.url, timeout_s=self.timeout_s)
+        session = await self.free.get() or EnvSession(self.url, timeout_s=self.timeout_s, capacity_wait_s=self.capacity_wait_s)
         try:
             yield session
         except BaseException:
@@ -58,22 +62,42 @@ def server_capacity(url: str, timeout_s: float) -> int | None:
     return int(capacity) if isinstance(capacity, int) and capacity > 0 else None
 
 
-def fit_sessions_to_server(url: str, wanted: int, group_size: int, timeout_s: float) -> int:
+def fit_sessions_to_server(url: str, wanted: int, group_size: int, timeout_s: float, queue: bool = True) -> int:
     """How many sessions the run's pool may hold against the server at `url`: `wanted` (env.max_concurrent),
     or the server's capacity when that is smaller, said once. A server that cannot hold one group's games
-    at once stops the run here, before anything is launched, naming both numbers and both fixes."""
+    at once has them queue for its sessions (`queue`, env.queue_sessions), or else stops the run here,
+    before anything is launched, naming both numbers and both fixes."""
     capacity = server_capacity(url, timeout_s)
     if capacity is None or capacity >= wanted:
         return wanted
-    if capacity < group_size:
+    if capacity < group_size and not queue:
         raise ConfigError(
             f"env.url: the server at {url} accepts {capacity} sessions (its /health max_concurrent_envs), fewer than "
             f"one group's grpo.group_size={group_size} games and env.max_concurrent={wanted}: start it with "
             f"MAX_CONCURRENT_ENVS={wanted} (or --max-concurrent-envs {wanted}), or set env.max_concurrent and "
-            f"grpo.group_size to at most {capacity}"
+            f"grpo.group_size to at most {capacity}, or env.queue_sessions=true to queue a group's games"
         )
     logger.warning(
         "env.max_concurrent is %d but the server at %s accepts %d sessions (its /health): the run holds at most %d; "
         "start the server with MAX_CONCURRENT_ENVS=%d to play more games at once", wanted, url, capacity, capacity, wanted,
     )
     return capacity
+
+
+def task_split_sizes(url: str, cfg) -> dict[str, int]:
+    """{split: its number of tasks} for env.task_split and eval.task_split, asked of the server at `url`. A split
+    the server does not list, an empty one, or a server without the Task API stops the run with one line
+    naming the key."""
+    sizes = {}
+    for key, split in (("env.task_split", cfg.env.task_split), ("eval.task_split", cfg.eval.task_split)):
+        if split is None or split in sizes:
+            continue
+        try:
+            size, splits = task_split_size(url, split, cfg.env.timeout_s)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ConfigError(f"{key}: {first_line(e)}") from None
+        if not size:
+            what = "has no tasks" if size == 0 else f"is not a split of the server at {url} (it has: {', '.join(splits) or 'none'})"
+            raise ConfigError(f"{key}: {split!r} {what}")
+        sizes[split] = size
+    return sizes

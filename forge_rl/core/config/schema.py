@@ -31,16 +31,18 @@ class ModelConfig:
 class EnvConfig:
     url: Optional[str] = None  # a running OpenEnv server, e.g. http://blackjack:8000
     server: Optional[str] = None  # or "module:Class" to launch on loopback for local runs
-    # Most sessions the run holds open at once (its pool), and what a launched server accepts (MAX_CONCURRENT_ENVS);
-    # against env.url it is lowered to what the server's /health reports (max_concurrent_envs).
-    max_concurrent: int = 256
+    max_concurrent: int = 256  # sessions held at once, a launched server's MAX_CONCURRENT_ENVS; env.url's /health may lower it
     timeout_s: float = 30.0  # per call to the environment
     reset_args: dict = field(default_factory=dict)  # passed to every reset besides the seed, e.g. {task_set: synth}
+    task_split: Optional[str] = None  # None: reset with seeds; a split: seeded task indices over its num_tasks
+    queue_sessions: bool = True  # a server with fewer sessions than a group's games: queue them (false: stop)
+    capacity_wait_s: float = 600.0  # a full server (CAPACITY_REACHED) is asked again for this long
+    server_python: Optional[str] = None  # env.server's interpreter; None: .venv-env/bin/python beside the training venv
 
     def check(self, key):
         if (self.url is None) == (self.server is None):
             raise ConfigError(f"{key}: set exactly one of env.url or env.server")
-        check_positive(self, key, "max_concurrent", "timeout_s")
+        check_positive(self, key, "max_concurrent", "timeout_s", "capacity_wait_s")
         check_mapping(self, key, "reset_args")
 
 
@@ -169,6 +171,7 @@ class EvalConfig:
     num_games: int = 10_000  # fixed seeded deals, greedy decoding
     seed: int = 1_000_000  # first seed of the evaluation deals (disjoint from training seeds)
     reset_args: dict = field(default_factory=dict)  # over env.reset_args for evaluation, e.g. {split: eval}
+    task_split: Optional[str] = None  # None: the seeds above; a split: its tasks 0 .. num_games - 1 (at most all)
 
     def check(self, key):
         check_non_negative(self, key, "interval")

@@ -9,6 +9,7 @@ the app, the environment's module or the model, hence here and not in core/confi
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import netrc
 import os
@@ -18,7 +19,7 @@ from urllib.parse import urlsplit
 from forge_rl.core.app import App, load_app
 from forge_rl.core.config import ConfigError, RunConfig
 from forge_rl.core.errors import first_line
-from forge_rl.envs import load_env_class
+from forge_rl.envs import local
 from forge_rl.models import model_kind
 from forge_rl.rollout.play import answer_token_ids, unknown_words
 
@@ -27,7 +28,7 @@ def check_run(cfg: RunConfig, this_host: bool = True) -> App:
     """Every check, in the order a run would meet the problem; the checked app for the run to use.
     `this_host=False` leaves out what depends on the host it runs on (its GPUs, W&B's key)."""
     app = load_app(cfg.app_module, cfg.sampling.constrained)
-    check_env(cfg.env.server, cfg.env.url)
+    check_env(cfg.env.server, cfg.env.url, cfg.env.server_python)
     check_model(cfg, app)
     if this_host:
         check_wandb(cfg.logging.wandb_project)
@@ -71,17 +72,24 @@ def inert_keys(cfg: RunConfig) -> list[tuple[str, str]]:
     return inert
 
 
-def check_env(server: str | None, url: str | None) -> None:
-    """env.server names something that imports (else its failure to start would be the server's whole
-    traceback, after seconds); env.url is a URL."""
+def check_env(server: str | None, url: str | None, server_python: str | None = None) -> None:
+    """env.server names a module that exists and defines the class (else its failure to start would be the
+    server's whole traceback, after seconds), and the server virtualenv is there; env.url is a URL. The
+    module is read, not imported: it imports openenv, which lives in the server virtualenv only."""
     if server is not None:
         try:
-            if ":" in server:
-                load_env_class(server)
-            elif importlib.util.find_spec(server) is None:
-                raise ValueError(f"no module named {server!r}")
+            module, _, name = server.partition(":")
+            spec = importlib.util.find_spec(module) if module else None
+            if spec is None or not spec.origin:
+                raise ValueError(f"no module named {module!r}")
+            if name and name not in defined_names(spec.origin):
+                raise ValueError(f"cannot load environment {server!r}: {spec.origin} defines no {name}")
         except (ValueError, ImportError) as e:
             raise ConfigError(f"env.server: {first_line(e)} (a module of your own must be on PYTHONPATH)") from None
+        try:
+            local.server_python(server_python)
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
     if url is not None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
@@ -152,3 +160,16 @@ def check_gpus(cfg: RunConfig) -> None:
     if have and sum(need.values()) > have:
         placed = ", ".join(f"{k} {v}" for k, v in need.items())
         raise ConfigError(f"{', '.join(need)}: this host has {have} GPU(s) and the config places {sum(need.values())} ({placed}): lower them, or run on cluster.workers")
+
+
+def defined_names(path: str) -> set[str]:
+    """The names a module's top level binds (classes, functions, assignments, imports), read from its source."""
+    names = set()
+    for node in ast.parse(open(path, encoding="utf-8").read()).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            names.update(t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names

@@ -41,7 +41,7 @@ from forge_rl.recipes.metrics import MetricsLogger, plot_curves
 from forge_rl.rollout.evaluation import Evaluation, figures
 from forge_rl.rollout.play import answer_token_ids
 from forge_rl.rollout.rollouts import Rollouts
-from forge_rl.rollout.sessions import fit_sessions_to_server
+from forge_rl.rollout.sessions import fit_sessions_to_server, task_split_sizes
 from forge_rl.runtime.actor import call, start_all, stop
 from forge_rl.runtime.provisioner import get_provisioner
 from forge_rl.weights import broadcast, control, shm
@@ -153,13 +153,18 @@ async def main(cfg: RunConfig) -> None:
     app = check_run(cfg)  # what `python -m forge_rl.config` checks; fails before anything starts
     dump(cfg, run_dir / "config.yaml")  # the resolved config, to reproduce the run
     print(f"logs of every process (vLLM, Monarch): {run_dir / 'run.log'}")
-    url, local_server = env_url(cfg.env.url, cfg.env.server, cfg.env.max_concurrent)
-    if cfg.env.url is not None:  # a running server: the session pool never holds more sessions than it accepts
-        size = fit_sessions_to_server(url, cfg.env.max_concurrent, cfg.grpo.group_size, cfg.env.timeout_s)
-        cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, max_concurrent=size))
+    try:
+        url, local_server = env_url(cfg.env.url, cfg.env.server, cfg.env.max_concurrent, cfg.env.server_python)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
     job = None
     try:
+        if cfg.env.url is not None:  # a running server: the session pool never holds more sessions than it accepts
+            size = fit_sessions_to_server(url, cfg.env.max_concurrent, cfg.grpo.group_size, cfg.env.timeout_s, cfg.env.queue_sessions)
+            cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, max_concurrent=size))
+        num_tasks = task_split_sizes(url, cfg)  # a split the server lacks stops here, naming the key
         job = await start(cfg, app, url)
+        job.rollouts.num_tasks = num_tasks
         if cfg.resume:
             job.state = await resume(job.learner.trainer, cfg.run_dir, cfg.trainer.timeout_s)
             job.metrics.drop_after(job.state.step)  # the rows of steps after the checkpoint are logged again
