@@ -39,8 +39,13 @@ class EnvConfig:
     queue_sessions: bool = True  # a server with fewer sessions than a group's games: queue them (false: stop)
     capacity_wait_s: float = 600.0  # a full server (CAPACITY_REACHED) is asked again for this long
     server_python: Optional[str] = None  # env.server's interpreter; None: .venv-env/bin/python beside the training venv
+    dataset: Optional[str] = None  # a JSONL file or HF datasets directory of prompts, served by envs/dataset.py
+    test_fraction: float = 0.0  # with env.dataset whose rows name no split: this share held out as split "test"
+    DATASET_SERVER: ClassVar[str] = "forge_rl.envs.dataset:DatasetEnvironment"  # what env.dataset launches
 
     def check(self, key):
+        if self.dataset is not None and self.url is None and self.server is None:
+            self.server = self.DATASET_SERVER  # launched on loopback like any env.server; check.py reads the dataset
         if (self.url is None) == (self.server is None):
             raise ConfigError(f"{key}: set exactly one of env.url or env.server")
         _positive(self, key, "max_concurrent", "timeout_s", "capacity_wait_s")
@@ -76,9 +81,7 @@ class ISCorrectionConfig:
 
     def check(self, key):
         t = self.threshold
-        if not (
-            isinstance(t, list) and len(t) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in t)
-        ):
+        if not (isinstance(t, list) and len(t) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in t)):
             raise ConfigError(f"{key}.threshold: expected [low, high], two numbers, got {t!r}")
         self.threshold = [float(x) for x in t]
         if not 0 <= t[0] <= 1 <= t[1] or t[0] == t[1]:
@@ -153,8 +156,7 @@ class GRPOConfig:
             raise ConfigError(f"{key}.normalize_mean: a scale of dr_grpo's advantages, but estimator is {self.estimator}: set estimator dr_grpo")
         if self.clip_low >= 1:
             raise ConfigError(f"{key}.clip_low: expected < 1 (the ratio is clipped below at 1 - clip_low), got {self.clip_low}")
-        if self.max_token_age is not None:
-            _non_negative(self, key, "max_token_age")
+        _non_negative(self, key, *(["max_token_age"] if self.max_token_age is not None else []))
         if self.entropy_floor is not None and self.entropy_floor <= 0:
             raise ConfigError(f"{key}.entropy_floor: expected > 0 nats, or null for a bonus that always acts, got {self.entropy_floor}")
         if self.entropy_floor is not None and self.entropy_coef == 0:
