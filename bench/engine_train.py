@@ -27,7 +27,7 @@ from forge_rl.runtime.actor import stop  # noqa: E402
 from forge_rl.core.config import GRPOConfig, OptimizerConfig  # noqa: E402
 from forge_rl.core.objective import GRPOLoss  # noqa: E402
 from forge_rl.core.estimators import estimate  # noqa: E402
-from forge_rl.core.loss import grpo_loss, token_entropy  # noqa: E402
+from forge_rl.core.loss import grpo_loss  # noqa: E402
 from forge_rl.models import resolve_model  # noqa: E402
 from forge_rl.models.tiny import build_tiny_model  # noqa: E402
 from forge_rl.engines.titan.model import build_model, pad_right, sequence_logprobs  # noqa: E402
@@ -68,14 +68,14 @@ class Baseline:
 
     def step(self) -> None:
         for rows in self.micro_batches:
-            lp, logits = sequence_logprobs(self.model, self.tokens[rows], with_logits=True)
+            lp, entropy = sequence_logprobs(self.model, self.tokens[rows], entropy=True)
             loss, _ = grpo_loss(
                 lp[:, 1:],
                 self.behaviour[rows, 1:],
                 self.advantages[rows, 1:],
                 self.mask[rows, 1:],
                 GRPOConfig(),
-                entropy=token_entropy(logits),
+                entropy=entropy,
                 denominator=self.denominator,
             )
             loss.backward()

@@ -37,9 +37,9 @@ from forge_rl.core.app import load_app  # noqa: E402
 from forge_rl.core.config import load_config  # noqa: E402
 from forge_rl.core.episode import EpisodeRecord  # noqa: E402
 from forge_rl.core.estimators import estimate  # noqa: E402
-from forge_rl.core.loss import grpo_loss, token_entropy  # noqa: E402
+from forge_rl.core.loss import grpo_loss  # noqa: E402
 from forge_rl.core.types import Completion  # noqa: E402
-from forge_rl.engines.titan.model import pad_right, sampling_logits, sampling_logprobs  # noqa: E402
+from forge_rl.engines.titan.model import pad_right, position_logprobs, sampling_logits  # noqa: E402
 from forge_rl.envs.local import env_url  # noqa: E402
 from forge_rl.models import resolve_model  # noqa: E402
 from forge_rl.recipes.grpo.loop import train  # noqa: E402
@@ -108,8 +108,8 @@ class InProcessLoop:
         behaviour = pad_right([e.behaviour_logprobs for e in batch], length)[:, 1:]
         advantages = pad_right(estimate(batch, cfg.grpo), length)[:, 1:]  # [B, T - 1] per token
         logits = self.model(tokens[:, :-1]).logits
-        lp, logits = sampling_logprobs(logits, tokens[:, 1:], self.allowed, cfg.sampling.temperature)
-        loss, _ = grpo_loss(lp, behaviour, advantages, mask, cfg.grpo, entropy=token_entropy(logits), denominator=mask.sum().item())
+        lp, entropy = position_logprobs(logits, tokens[:, 1:], self.allowed, cfg.sampling.temperature)
+        loss, _ = grpo_loss(lp, behaviour, advantages, mask, cfg.grpo, entropy=entropy, denominator=mask.sum().item())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.trainer.optimizer.max_grad_norm)
         self.optimizer.step()

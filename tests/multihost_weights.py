@@ -54,7 +54,7 @@ async def main(model_dir: str, workers: list[str]) -> dict:
 
         result = {"plan": [sync.kind, sync.rendezvous, sync.binds], "original": await logprobs()}
         await broadcast.connect(
-            trainer, [generator], 1, sync.rendezvous, sync.binds, await sync.trainer_host.free_port()
+            trainer, [generator], 1, sync.rendezvous, sync.binds, [await sync.trainer_host.free_port()]
         )
         zeros = {k: torch.zeros_like(v) for k, v in load_file(Path(model_dir) / "model.safetensors").items()}
         await control.put_state_dict(zeros, 1)

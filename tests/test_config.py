@@ -82,7 +82,13 @@ def write(tmp_path, text):
         (["grpo.is_correction.level=half"], r"grpo\.is_correction\.level: expected one of 'off'"),
         (["grpo.entropy_floor=0"], r"grpo\.entropy_floor: expected > 0 nats"),
         (["grpo.estimator=rloo", "grpo.normalize_mean=true"], r"grpo\.normalize_mean: a scale of dr_grpo's advantages, but estimator is rloo"),
-        (["grpo.estimator=ppo2"], r"grpo\.estimator: expected one of 'grpo', 'dr_grpo', 'rloo', 'reinforce_pp', got 'ppo2'"),
+        (["grpo.estimator=ppo2"], r"grpo\.estimator: expected one of 'grpo', 'dr_grpo', 'rloo', 'reinforce_pp', 'ppo', got 'ppo2'"),
+        (["grpo.gamma=1.5"], r"grpo\.gamma: expected 0 <= gamma <= 1, got 1\.5"),
+        (["grpo.estimator=ppo", "grpo.gae_lambda=-0.1"], r"grpo\.gae_lambda: expected 0 <= gae_lambda <= 1"),
+        (["grpo.estimator=ppo", "grpo.value_coef=0"], r"grpo\.value_coef: expected > 0 with estimator ppo"),
+        (["grpo.value_coef=-1"], r"grpo\.value_coef: expected >= 0"),
+        (["grpo.estimator=ppo", "grpo.turn_credit=1"], r"grpo\.turn_credit: compares a group's rewards; ppo's baseline is the value head's"),
+        (["grpo.estimator=ppo", "grpo.group_size=0"], r"grpo\.group_size: expected > 0"),
         (["grpo.normalize_std=true"], r"grpo\.normalize_std: replaced by grpo\.estimator: grpo divides by the group's std, dr_grpo does not"),
         (["grpo.overlong_buffer=5"], r"grpo\.overlong_buffer: 5 is longer than sampling\.max_tokens \(4\)"),
         (["grpo.ratio_level=word"], r"grpo\.ratio_level: expected one of 'token', 'sequence'"),
@@ -98,6 +104,11 @@ def test_bad_values_name_the_key_and_the_file(overrides, message):
         load_config(TINY, overrides)
     assert str(TINY) in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_ppo_needs_no_group():
+    cfg = load_config(TINY, ["grpo.estimator=ppo", "grpo.group_size=1", "grpo.turn_credit=0", "grpo.centre_per_answer=false"])
+    assert (cfg.grpo.group_size, cfg.grpo.gamma, cfg.grpo.gae_lambda, cfg.grpo.value_coef) == (1, 1.0, 1.0, 0.1)
 
 
 def test_is_correction_and_partial_rollouts_load():

@@ -10,7 +10,7 @@ from forge_rl.core.config import GRPOConfig
 from forge_rl.core.estimators import ESTIMATORS, estimate
 from forge_rl.core.types import Episode
 
-SOUND = sorted(ESTIMATORS)  # every named estimator must point uphill
+SOUND = sorted(set(ESTIMATORS) - {"ppo"})  # every group estimator must point uphill (ppo, with values: below)
 
 
 def close(actual, expected, atol=1e-5):
@@ -230,3 +230,88 @@ def test_overlong_filter_keeps_cut_answers_out_of_the_loss_but_in_the_baseline()
     GRPOLoss(GRPOConfig(overlong_filter=True)).prepare(batch, t)
     assert t["mask"][1].sum() == 0 and t["mask"][0].sum() == 2
     close(t["advantages"][0, 1:3], [0.5, 0.5])  # compared with the cut answer's reward 0 all the same
+
+
+# ------------------------------------------------------------------------------------------- ppo
+
+
+def three_turns(reward: float, values: list[float]) -> tuple[list[Episode], list[torch.Tensor]]:
+    """One episode of three answers (2, 1 and 2 sampled ids after a prompt and two environment replies) and its
+    values [T]: values[i] at each answer's first id, 9 (never read) elsewhere."""
+    tokens = torch.arange(10)
+    mask = torch.tensor([0, 0, 1, 1, 0, 1, 0, 0, 1, 1])
+    v = torch.full((10,), 9.0)
+    v[[2, 5, 8]] = torch.tensor(values)
+    return [Episode(tokens, mask, torch.zeros(10), reward, 0, "g")], [v]
+
+
+def ppo_per_turn(values: list[float], reward: float = 1.0, **keys) -> list[float]:
+    batch, v = three_turns(reward, values)
+    (a,) = estimate(batch, GRPOConfig(estimator="ppo", **keys), values=v)
+    assert a[2] == a[3] and a[8] == a[9] and a[[0, 1, 4, 6, 7]].abs().sum() == 0, "each turn's advantage on its own ids only"
+    return [float(a[2]), float(a[5]), float(a[8])]
+
+
+def test_ppo_gae_by_hand():
+    values = [0.2, 0.5, -0.4]
+    # lambda = gamma = 1: the return minus each turn's value
+    close(ppo_per_turn(values), [0.8, 0.5, 1.4])
+    # lambda = 0: one-step TD errors r_k + V_k+1 - V_k, the last against the reward
+    close(ppo_per_turn(values, gae_lambda=0.0), [0.5 - 0.2, -0.4 - 0.5, 1.0 + 0.4])
+    # gamma 0.9, lambda 0.5: deltas [0.9 * 0.5 - 0.2, 0.9 * -0.4 - 0.5, 1 + 0.4] = [0.25, -0.86, 1.4], then
+    # A_2 = 1.4, A_1 = -0.86 + 0.45 * 1.4 = -0.23, A_0 = 0.25 + 0.45 * -0.23
+    close(ppo_per_turn(values, gamma=0.9, gae_lambda=0.5), [0.25 + 0.45 * -0.23, -0.23, 1.4])
+    # no group needed: a group of one gets its advantage
+    close(ppo_per_turn([0.0, 0.0, 0.0], reward=-1.0), [-1.0, -1.0, -1.0])
+
+
+def test_ppo_without_values_is_refused():
+    with pytest.raises(ValueError, match="value head"):
+        estimate(one_turn([1.0, 0]), GRPOConfig(estimator="ppo"))
+
+
+def bandit_values(batch: list[Episode], baseline: torch.Tensor) -> list[torch.Tensor]:
+    """Each episode's values [T]: the state's baseline[s] where its answer starts (position 1)."""
+    return [torch.tensor([0.0, float(baseline[int(e.tokens[0])])]) for e in batch]
+
+
+@pytest.mark.parametrize("group_size", [1, 4])
+@pytest.mark.parametrize("baseline", ["exact", "wrong"])
+def test_ppo_goes_uphill_in_every_state_of_a_bandit(group_size, baseline):
+    """With the exact value of each state (pi_s . r_s) and with a wrong one (0 everywhere): lambda = 1 is the
+    return minus a state's baseline, the policy gradient whatever the baseline."""
+    probs = LOGITS.softmax(-1)
+    r = torch.stack([BASE, BASE + MARGINS], -1)
+    values = (probs * r).sum(-1) if baseline == "exact" else torch.zeros(BANDIT_STATES)
+    config, update, n = GRPOConfig(estimator="ppo"), torch.zeros_like(LOGITS), 600
+    for batch in bandit_batches(LOGITS, n, group_size, seed=0):
+        for e, a in zip(batch, estimate(batch, config, values=bandit_values(batch, values))):
+            s, answer = int(e.tokens[0]), ANSWER_IDS.index(int(e.tokens[1]))
+            update[s] += float(a[1]) * (torch.nn.functional.one_hot(torch.tensor(answer), 2) - probs[s])
+    exact = exact_bandit_gradient(LOGITS)
+    for s in range(BANDIT_STATES):
+        assert float(update[s] @ exact[s]) > 0 and update[s, 1] > 0, (s, update[s].tolist(), exact[s].tolist())
+
+
+@pytest.mark.parametrize("gae_lambda", [1.0, 0.5, 0.0])
+def test_ppo_with_exact_values_goes_uphill_in_a_two_step_game(gae_lambda):
+    """Exact values (V of the start p0 . q0; of the state after the first answer a0, q0[a0]) make GAE's advantage
+    the policy gradient's for any lambda: lambda 0 credits the first answer with q0[a0] - V alone."""
+    first, second = torch.tensor([0.2, -0.1]), torch.tensor([[-0.3, 0.3], [0.1, 0.0]])
+    p0, p1 = first.softmax(-1), second.softmax(-1)
+    r = torch.tensor([[GAME_REWARD[a, b] for b in (0, 1)] for a in (0, 1)])
+    q0 = (p1 * r).sum(-1)
+    exact_first = p0 * (q0 - (p0 * q0).sum())
+    exact_second = p0[:, None] * p1 * (r - q0[:, None])
+    up_first, up_second = torch.zeros(2), torch.zeros(2, 2)
+    config = GRPOConfig(estimator="ppo", gae_lambda=gae_lambda)
+    for batch in game_batches(first, second, 800, group_size=4, seed=1):
+        values = [torch.tensor([0.0, float(p0 @ q0), 0.0, float(q0[ANSWER_IDS.index(int(e.tokens[1]))])]) for e in batch]
+        for e, a in zip(batch, estimate(batch, config, values=values)):
+            a0, a1 = ANSWER_IDS.index(int(e.tokens[1])), ANSWER_IDS.index(int(e.tokens[3]))
+            up_first += float(a[1]) * (torch.nn.functional.one_hot(torch.tensor(a0), 2) - p0)
+            up_second[a0] += float(a[3]) * (torch.nn.functional.one_hot(torch.tensor(a1), 2) - p1[a0])
+    assert float(up_first @ exact_first) > 0, (up_first, exact_first)
+    for a0 in (0, 1):
+        if exact_second[a0].abs().sum() > 1e-6:
+            assert float(up_second[a0] @ exact_second[a0]) > 0, (a0, up_second[a0], exact_second[a0])

@@ -144,12 +144,14 @@ def test_a_reference_model_whose_process_died_is_restarted_and_the_call_retried(
 
 def test_the_session_pool_fits_a_running_server_or_the_run_stops_naming_both_numbers():
     """A server that accepts 6 sessions: a pool asked for 32 holds 6 and plays 24 games at once without
-    a refusal; asked for groups of 8 games, it cannot, and says why with both numbers."""
+    a refusal; asked for groups of 8 games with env.queue_sessions=false, it cannot, and says why with both
+    numbers; with queueing (the default) the same groups share the 6 sessions."""
     with launch_local(BLACKJACK, max_concurrent_envs=6) as server:
         assert fit_sessions_to_server(server.url, 32, 4, 10) == 6
         assert fit_sessions_to_server(server.url, 5, 4, 10) == 5
         with pytest.raises(ConfigError, match=r"accepts 6 sessions .*group_size=8 .*env\.max_concurrent=32: start it with MAX_CONCURRENT_ENVS=32"):
-            fit_sessions_to_server(server.url, 32, 8, 10)
+            fit_sessions_to_server(server.url, 32, 8, 10, queue=False)
+        assert fit_sessions_to_server(server.url, 32, 8, 10) == 6
 
         async def play(pool, seed):
             async with pool.session() as session:
@@ -171,12 +173,13 @@ def test_the_session_pool_fits_a_running_server_or_the_run_stops_naming_both_num
 
 
 def test_an_app_pointed_at_a_small_server_stops_before_launching_anything(tmp_path):
-    """`env.url=...` on the command line over a config naming env.server: the URL wins; a server with
-    fewer sessions than a group's games stops the run at once, exit status 2, one line naming both."""
+    """`env.url=...` on the command line over a config naming env.server: the URL wins; with
+    env.queue_sessions=false a server with fewer sessions than a group's games stops the run at once,
+    exit status 2, one line naming both."""
     with launch_local(BLACKJACK, max_concurrent_envs=2) as server:
         proc = subprocess.run(
             [sys.executable, "-m", "forge_rl.grpo", "--config", str(ROOT / "configs" / "blackjack_tiny_cpu.yaml"),
-             f"env.url={server.url}", f"run_dir={tmp_path / 'run'}"],
+             f"env.url={server.url}", "env.queue_sessions=false", f"run_dir={tmp_path / 'run'}"],
             cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line and "HYPERACTOR" not in line]
@@ -307,3 +310,54 @@ def test_a_generator_restarting_during_a_shm_push_waits_for_it_and_catches_up(tm
                 logging.getLogger(name).removeHandler(recorder)
 
     asyncio.run(main())
+
+
+@pytest.mark.slow  # two engines and a third started mid-run: minutes on 2 cores
+@pytest.mark.timeout(1200)
+def test_under_broadcast_a_dead_generator_loses_no_step_and_rejoins_at_the_newest_version(tmp_path):
+    """Two generator replicas with weight_sync=broadcast; kill -9 of one replica's vLLM engine mid-run. The
+    trainer keeps publishing to the survivor (no step lost, no stall: each update reaches one replica),
+    the restarted replica forms a group of its own with the trainer, is sent the version the trainer
+    holds, and every later version reaches both. With one group for all, the next send failed and so did
+    every step after it."""
+    from tests.test_app import CONFIG, SMALL, descendants
+    from forge_rl.recipes.metrics import read_metrics
+
+    run_dir, console = tmp_path / "run", tmp_path / "console.txt"
+    with open(console, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "forge_rl.grpo", "--config", str(CONFIG), f"run_dir={run_dir}", *SMALL,
+             "generator.num_replicas=2", "generator.weight_sync=broadcast", "trainer.max_steps=1000",
+             "synchronous=true", "eval.interval=0", "trainer.checkpoint_every=0"],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+
+    def replicas() -> list[int]:
+        return [int(r["weight_sync/replicas"]) for r in read_metrics(run_dir) if "train/loss" in r]
+
+    def wait(condition, what: str, timeout: float = 600) -> None:
+        deadline = time.time() + timeout
+        while not condition():
+            assert proc.poll() is None, f"the run ended while waiting for {what}: " + console.read_text()[-3000:]
+            assert time.time() < deadline, f"no {what} within {timeout:.0f} s"
+            time.sleep(0.5)
+
+    try:
+        wait(lambda: len(replicas()) >= 2, "second step")
+        engines = [p for p in descendants(proc) if p.name() == "VLLM::EngineCore"]
+        assert len(engines) == 2, engines
+        os.kill(engines[0].pid, signal.SIGKILL)
+        killed_at = len(replicas())
+        wait(lambda: 1 in replicas()[killed_at:], "a step published to the survivor alone")
+        wait(lambda: replicas()[-3:] == [2, 2, 2] and 1 in replicas()[killed_at:-3], "three steps reaching both replicas again")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=300)
+    text = console.read_text()
+    records = [r for r in read_metrics(run_dir) if "train/loss" in r]
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1)), "a step lost or repeated"
+    assert [r["train/policy_version"] for r in records] == list(range(1, len(records) + 1))
+    assert replicas()[:killed_at - 1] == [2] * (killed_at - 1), replicas()  # the step under way may have lost it
+    rejoined = re.search(r"generator replica (\d) rejoined the weights broadcast at version (\d+)", text)
+    assert rejoined and int(rejoined.group(2)) > killed_at, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]

@@ -160,6 +160,31 @@ def test_resume_restores_the_adapters_and_their_optimizer_state(tiny, tmp_path):
     assert model_keys and all(".lora_" in k for k in model_keys), "the base weights are the model directory's, not saved"
 
 
+def test_ppos_value_head_trains_beside_the_adapters_and_resumes(tiny, tmp_path):
+    """estimator ppo under LoRA: the head trains with the adapters (the base stays frozen), the checkpoint holds
+    both and nothing else of the model, and a resumed trainer continues with the same numbers."""
+    ppo = GRPOLoss(GRPOConfig(estimator="ppo", value_coef=1.0))
+    optim = OptimizerConfig(lr=1e-2, schedule="constant")
+    first, batch = Trainer(tiny, ppo, optim, micro_batch_size=4, lora=LoraConfig(rank=4)), batch_for(100)
+    asyncio.run(Trainer.setup._method(first))
+    base = first.model.layers["0"].attention.wq.base_layer.weight.detach().clone()
+    for _ in range(2):
+        asyncio.run(Trainer.train_step._method(first, batch, None))
+    assert first.model.value_head.weight.abs().sum() > 0 and torch.equal(first.model.layers["0"].attention.wq.base_layer.weight, base)
+    asyncio.run(Trainer.save_checkpoint._method(first, str(tmp_path / "ckpt")))
+    expected = asyncio.run(Trainer.train_step._method(first, batch, None))
+    resumed = Trainer(tiny, ppo, optim, micro_batch_size=4, lora=LoraConfig(rank=4))
+    asyncio.run(Trainer.setup._method(resumed))
+    asyncio.run(Trainer.load_checkpoint._method(resumed, str(tmp_path / "ckpt")))
+    again = asyncio.run(Trainer.train_step._method(resumed, batch, None))
+    assert (again["loss"], again["value_loss"]) == (expected["loss"], expected["value_loss"])
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = [k for k in FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata if k.startswith("model.")]
+    assert {"model.value_head.weight", "model.value_head.bias"} <= set(saved)
+    assert all(".lora_" in k or ".value_head." in k for k in saved)
+
+
 def export_command(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "forge_rl.checkpoint", "export", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
@@ -273,3 +298,51 @@ def test_lora_under_fsdp2_trains_as_one_rank_does(tiny):
             assert rank0[key] == pytest.approx(single[key], rel=1e-3), key
     assert steps[1][0]["loss"] != steps[0][0]["loss"], "the second step saw trained adapters"
     assert sizes[0] == sizes[1] > 0
+
+
+def test_in_bf16_the_generator_serves_the_adapters_as_the_trainer_computes_them(tiny):
+    """bf16 on both sides, adapters after one small step (much of scale * B @ A is below half a unit in the
+    last place of its base weight entry: merged into a bf16 weight, it was rounded away). The generator's
+    log-probs of what it samples agree with the trainer's as closely as with no adapters (bf16's own
+    noise), although the adapters moved them many times that."""
+    from forge_rl.core.config import GeneratorConfig
+    from forge_rl.engines.vllm.generator import Generator
+    from forge_rl.weights import control
+
+    prompt, sampled = list(range(40, 60)), dict(max_tokens=24, temperature=1.0, seed=1, ignore_eos=True)
+    batch = batch_for(100)
+
+    async def answer(generator, trainer):
+        """A sampled answer: the generator's log-probs, the trainer's, and the trainer's base model's."""
+        (completion,) = (await generator.generate.call(prompt, sampled)).item(procs=0)
+        ids = torch.tensor(prompt + completion.token_ids)
+        (trained,) = (await trainer.logprobs.call([ids])).item(procs=0)
+        (base,) = (await trainer.logprobs.call([ids], True)).item(procs=0)
+        return torch.tensor(completion.logprobs), trained[len(prompt):], base[len(prompt):]
+
+    async def main():
+        await control.start()
+        generator, trainer = await asyncio.gather(
+            Generator.options(procs=1).as_actor(tiny, "bfloat16", GeneratorConfig(max_model_len=256, gpu_memory_utilization=0.01)),
+            Trainer.options(procs=1).as_actor(tiny, GRPOLoss(GRPOConfig(entropy_coef=0.0)), OptimizerConfig(lr=LORA_BF16_LR, schedule="constant"),
+                                              100, "bfloat16", lora=LoraConfig(rank=4), weight_sync="shm"),
+        )
+        try:
+            before = await answer(generator, trainer)
+            await trainer.train_step.call(batch)
+            await trainer.push_weights.call(1)
+            await generator.update_weights.call(1)
+            return before, await answer(generator, trainer)
+        finally:
+            await asyncio.gather(stop(generator), stop(trainer))
+            await control.stop()
+
+    (served0, trained0, _), (served, trained, base) = asyncio.run(main())
+    noise = (served0 - trained0).abs().max().item()
+    gap, shift = (served - trained).abs().max().item(), (trained - base).abs().max().item()
+    print(f"bf16: generator vs trainer {gap:.4f} (no adapters: {noise:.4f}); the adapters moved the log-probs {shift:.4f}")
+    assert shift > 2 * noise, "the adapters must move the log-probs past bf16's noise"
+    assert gap <= 1.5 * noise + 5e-4, (gap, noise, shift)  # merged into bf16 weights: twice the noise
+
+
+LORA_BF16_LR = 3e-4

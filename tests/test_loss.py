@@ -11,10 +11,9 @@ from forge_rl.core.loss import (
     grpo_loss,
     kl_penalty,
     seq_mean,
-    token_entropy,
-    token_logprobs,
     token_mean,
 )
+from forge_rl.engines.titan.model import position_logprobs
 
 LN2 = math.log(2)
 
@@ -137,11 +136,11 @@ def test_entropy_and_token_logprobs_by_hand():
     # position 1: probs [.25, .75, 0, 0] (logits 0, ln3, -inf, -inf)
     #   entropy = .25 ln4 + .75 ln(4/3) = 0.3465736 + 0.2157616 = 0.5623351
     logits = torch.tensor([[[0.0, 0, 0, 0], [0.0, math.log(3), -1e9, -1e9]]], requires_grad=True)
-    close(token_entropy(logits), [[1.3862944, 0.5623351]])
-    close(token_logprobs(logits, torch.tensor([[2, 1]])), [[-1.3862944, -0.2876821]])  # ln .25, ln .75
+    lp, entropy = position_logprobs(logits, torch.tensor([[2, 1]]))
+    close(entropy, [[1.3862944, 0.5623351]])
+    close(lp, [[-1.3862944, -0.2876821]])  # ln .25, ln .75
     # bonus: loss = -0.01 * (1.3862944 + 0.5623351) / 2 = -0.0097431
-    lp = token_logprobs(logits, torch.tensor([[2, 1]]))
-    loss, m = grpo_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 2), grpo(entropy_coef=0.01), entropy=token_entropy(logits))
+    loss, m = grpo_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 2), grpo(entropy_coef=0.01), entropy=entropy)
     close(loss, -0.0097431)
     close(m["entropy"], 0.9743148)
 
@@ -151,11 +150,11 @@ def test_entropy_floor_turns_the_bonus_on_only_below_it():
     # Below a floor of 1.0 the bonus acts as without a floor (-0.0097431); at or above a floor of 0.9 it is
     # off: loss 0 and no gradient. Masking position 0 out leaves mean 0.5623351: below 0.9, so on again.
     logits = torch.tensor([[[0.0, 0, 0, 0], [0.0, math.log(3), -1e9, -1e9]]], requires_grad=True)
-    lp = token_logprobs(logits, torch.tensor([[2, 1]]))
+    lp, entropy = position_logprobs(logits, torch.tensor([[2, 1]]))
     for floor, mask, loss_expected in ((1.0, [[1, 1]], -0.0097431), (0.9, [[1, 1]], 0.0), (0.9, [[0, 1]], -0.01 * 0.5623351)):
         logits.grad = None
         cfg = grpo(entropy_coef=0.01, entropy_floor=floor)
-        loss, m = grpo_loss(lp, lp.detach(), torch.zeros(1), torch.tensor(mask, dtype=torch.float32), cfg, entropy=token_entropy(logits))
+        loss, m = grpo_loss(lp, lp.detach(), torch.zeros(1), torch.tensor(mask, dtype=torch.float32), cfg, entropy=entropy)
         close(loss, loss_expected)
         loss.backward(retain_graph=True)
         assert (logits.grad.abs().sum() > 0) == (loss_expected != 0.0)
@@ -166,11 +165,11 @@ def test_gradient_flows_only_through_masked_tokens():
     logits = torch.randn(2, 5, 7, requires_grad=True)
     targets = torch.randint(0, 7, (2, 5))
     mask = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 1]])
-    lp = token_logprobs(logits, targets)
+    lp, entropy = position_logprobs(logits, targets)
     behaviour = torch.where(mask.bool(), lp.detach() - 0.1, torch.zeros_like(lp))
     cfg = grpo(kl_coef=0.05, entropy_coef=0.01)
     ref = lp.detach() + 0.3
-    loss, _ = grpo_loss(lp, behaviour, torch.tensor([[1.0], [-1.0]]), mask, cfg, ref_logprobs=ref, entropy=token_entropy(logits))
+    loss, _ = grpo_loss(lp, behaviour, torch.tensor([[1.0], [-1.0]]), mask, cfg, ref_logprobs=ref, entropy=entropy)
     loss.backward()
     per_position = logits.grad.abs().sum(-1)  # [B, T]
     assert torch.all(per_position[mask == 0] == 0)
@@ -284,3 +283,21 @@ def test_sequence_level_ratio_clips_whole_sequences_by_their_geometric_mean():
     lp.grad = None
     grpo_loss(lp, behaviour, adv, mask, grpo())[0].backward()  # the token ratio, for contrast
     close(lp.grad, [[-1.2 / 6, -1.2 / 6], [0, 0], [0, -0.5 / 6]])
+
+
+def test_value_loss_by_hand_and_its_clip():
+    """0.5 (V - R)^2 over the masked turns; clipped, a prediction that moved past +-clip from the step-start value
+    counts at the clipped value when that is worse (PPO's and TRL's max of the two)."""
+    from forge_rl.core.loss import value_loss
+
+    old = torch.tensor([[0.0, 0.0, 0.0]])
+    new = torch.tensor([[0.5, -0.1, 7.0]], requires_grad=True)
+    returns = torch.tensor([[1.0, -1.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third is no turn's start
+    plain = value_loss(new, old, returns, mask)
+    torch.testing.assert_close(plain, torch.tensor(0.5 * (0.25 + 0.81) / 2))
+    # clip 0.2: the first counts as 0.2 (error 0.64 > 0.25), the second stays (0.81 > 0.64 at -0.1 is itself)
+    clipped = value_loss(new, old, returns, mask, clip=0.2, denominator=4.0)
+    torch.testing.assert_close(clipped, torch.tensor(0.5 * (0.64 + 0.81) / 4))
+    clipped.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[0.0, 0.9 / 4, 0.0]]))  # the clipped one has no gradient

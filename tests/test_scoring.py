@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from forge_rl.core.config import GRPOConfig, OptimizerConfig
-from forge_rl.core.loss import token_entropy
 from forge_rl.core.estimators import estimate
 from forge_rl.core.objective import GRPOLoss
 from forge_rl.core.types import Episode
@@ -101,9 +100,9 @@ def test_shared_rows_give_the_loss_and_gradients_of_every_episode_scored_alone(t
     trainer.model.zero_grad()
 
     length = int(t["lengths"].max())
-    lp, logits = sequence_logprobs(trainer.model, t["tokens"][:, :length], True, allowed, 0.7)
+    lp, entropy = sequence_logprobs(trainer.model, t["tokens"][:, :length], allowed, 0.7, entropy=True)
     piece = {k: t[k][:, 1:length] for k in ("mask", "behaviour", "ages", "advantages")}
-    alone, _ = loss_fn(lp[:, 1:], piece, token_entropy(logits), totals)
+    alone, _ = loss_fn(lp[:, 1:], piece, entropy, totals)
     alone.backward()
 
     assert shared == pytest.approx(alone.item(), abs=1e-6)

@@ -21,6 +21,7 @@ from forge_rl.core.objective import GRPOLoss
 from forge_rl.engines.titan.reference import ReferenceModel
 from forge_rl.models.tiny import build_tiny_model
 from forge_rl.engines.titan.trainer import Trainer
+from forge_rl.engines.titan.value_head import step_values
 from forge_rl.core.types import Episode
 
 GRPO = GRPOConfig(kl_coef=0.05, entropy_coef=0.0, estimator="grpo")
@@ -400,7 +401,6 @@ def test_the_entropy_floor_is_decided_once_for_the_whole_batch(model_dir):
     is on for the step: every micro-batch gets it, also those whose own entropy is above the floor. Equal
     rewards (zero advantages) leave the bonus alone in the loss: -coef x the batch's mean entropy, the same
     in one piece or in one piece per episode."""
-    from forge_rl.core.loss import token_entropy
     from forge_rl.engines.titan.model import sequence_logprobs
 
     batch = make_batch()
@@ -410,9 +410,9 @@ def test_the_entropy_floor_is_decided_once_for_the_whole_batch(model_dir):
     per_episode, weights = [], []
     with torch.no_grad():
         for e in batch:
-            _, logits = sequence_logprobs(probe.model, e.tokens[None], True)
+            _, entropy = sequence_logprobs(probe.model, e.tokens[None], entropy=True)
             mask = e.loss_mask[1:].float()
-            per_episode.append(float((token_entropy(logits)[0] * mask).sum() / mask.sum()))
+            per_episode.append(float((entropy[0] * mask).sum() / mask.sum()))
             weights.append(float(mask.sum()))
     mean = sum(h * w for h, w in zip(per_episode, weights)) / sum(weights)
     assert mean < max(per_episode), per_episode
@@ -425,3 +425,71 @@ def test_the_entropy_floor_is_decided_once_for_the_whole_batch(model_dir):
     above = GRPOConfig(entropy_coef=1.0, entropy_floor=min(per_episode) / 2, estimator="dr_grpo")  # off for every piece
     trainer = in_process(Trainer, model_dir, GRPOLoss(above), OPTIM, micro_batch_size=1)
     assert asyncio.run(Trainer.train_step._method(trainer, batch, None))["loss"] == pytest.approx(0.0, abs=1e-6)
+
+
+PPO = GRPOConfig(estimator="ppo", value_coef=1.0)
+
+
+def test_ppo_trains_its_value_head_in_the_policys_step(model_dir):
+    """estimator ppo on the real trainer: a value head (zero at the start) whose loss, measured before each update
+    on a fixed batch, falls; the step's advantages are the return minus the step-start values (lambda = 1)."""
+    batch = make_batch()
+    trainer = in_process(Trainer, model_dir, GRPOLoss(PPO), OPTIM, micro_batch_size=2)
+    first = asyncio.run(Trainer.train_step._method(trainer, batch, None))
+    assert first["value_mean"] == 0.0 and all(math.isfinite(v) for v in first.values()), first
+    fits = [first["value_loss"]] + [asyncio.run(Trainer.train_step._method(trainer, batch, None))["value_loss"] for _ in range(5)]
+    assert fits[-1] < 0.5 * fits[0], fits
+    # the advantages of a step: each turn's reward minus the value the head gives its state now
+    t = trainer._tensors(batch, None)
+    t["values"] = step_values(trainer._scored_pieces(t, trainer._my_rows(len(batch))), t["mask"], trainer.device)
+    GRPOLoss(PPO).prepare(batch, t)
+    for i, e in enumerate(batch):
+        for start in (6, 11):  # each answer's first token: its advantage is reward - V there, over the whole answer
+            assert t["advantages"][i, start] == pytest.approx(e.reward - float(t["values"][i, start]), abs=1e-6)
+            assert t["returns"][i, start] == pytest.approx(e.reward, abs=1e-6) and t["value_mask"][i, start] == 1
+        assert torch.equal(t["advantages"][i, 6:9], t["advantages"][i, 6:7].expand(3))
+    assert t["value_mask"].sum() == 2 * len(batch)
+
+
+def test_ppo_resume_restores_the_value_head(model_dir, tmp_path):
+    """The head and its AdamW state are in the checkpoint: a resumed trainer's next step is the same numbers
+    (a head restarted from zero gives other advantages and another value loss). The HF export leaves it out."""
+    batch = make_batch(seed=4)
+    first = in_process(Trainer, model_dir, GRPOLoss(PPO), OPTIM, micro_batch_size=2)
+    for _ in range(2):
+        asyncio.run(Trainer.train_step._method(first, batch, None))
+    asyncio.run(Trainer.save_checkpoint._method(first, str(tmp_path / "ckpt")))
+    expected = asyncio.run(Trainer.train_step._method(first, batch, None))
+    resumed = in_process(Trainer, model_dir, GRPOLoss(PPO), OPTIM, micro_batch_size=2)
+    asyncio.run(Trainer.load_checkpoint._method(resumed, str(tmp_path / "ckpt")))
+    again = asyncio.run(Trainer.train_step._method(resumed, batch, None))
+    assert again["value_mean"] != 0.0
+    for key in ("loss", "value_loss", "value_mean", "grad_norm"):
+        assert again[key] == expected[key], key
+
+    from safetensors import safe_open
+
+    asyncio.run(Trainer.export_hf._method(resumed, str(tmp_path / "hf")))
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as exported:
+        assert not [k for k in exported.keys() if "value" in k]
+
+
+def test_ppo_on_two_ranks_matches_one(loop, model_dir):
+    """FSDP2 over 2 ranks shards the head with the root; each rank scores its own rows' values and the no-grad
+    pass sums them, so both ranks fix the same advantages: the same value loss and loss as one rank, twice."""
+
+    async def main():
+        one, two = await asyncio.gather(
+            Trainer.options(procs=1).as_actor(model_dir, GRPOLoss(PPO), OPTIM, micro_batch_size=2),
+            Trainer.options(procs=2).as_actor(model_dir, GRPOLoss(PPO), OPTIM, micro_batch_size=2),
+        )
+        try:
+            batch = make_batch(seed=5)
+            return [(await one.train_step.call_one(batch), ranks(await two.train_step.call(batch))) for _ in range(2)]
+        finally:
+            await asyncio.gather(stop(one), stop(two))
+
+    for m1, (m2, m2b) in loop.run_until_complete(main()):
+        assert m2 == m2b
+        for key in ("loss", "value_loss", "value_mean", "value_explained_variance", "grad_norm"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key

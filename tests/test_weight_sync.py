@@ -218,7 +218,7 @@ def _broadcast_member(rank: int, port: int, bind: str, results) -> None:
     state_dict = make_state_dict(1)
     places, nbytes = layout.make_layout(state_dict)
     if rank == 0:
-        broadcast.broadcast_send(group, list(state_dict.values()))
+        broadcast.broadcast_send(group, 1, list(state_dict.values()))
     else:
         staging = broadcast.broadcast_receive(group, WeightsHandle("broadcast", 1, layout=places, nbytes=nbytes), None)
         results.put(as_bytes(dict(layout.tensor_views(staging, places))))

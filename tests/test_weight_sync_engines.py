@@ -179,7 +179,7 @@ def test_a_buffer_without_the_fused_blocks_loads_through_vllms_reload_bit_exact(
 def test_broadcast_between_two_host_addresses_is_bit_exact(a):
     """The trainer on 127.0.0.2 (its rendezvous too), the generator's vLLM worker on 127.0.0.3: gloo."""
     generator = a.generators[1]
-    a.run(broadcast.connect(a.broadcast_trainer, [generator], 1, "127.0.0.2", ["127.0.0.3"], free_port()))
+    a.run(broadcast.connect(a.broadcast_trainer, [generator], 1, "127.0.0.2", ["127.0.0.3"], [free_port()]))
     load_zeros(a, [generator])
     a.version += 1
     a.run(a.broadcast_trainer.push_weights.call(a.version))

@@ -27,18 +27,6 @@ from forge_rl.core.config import GRPOConfig
 # ---------------------------------------------------------------------------- per token
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(targets) under logits: logits [B, T, V], targets [B, T] -> [B, T] (fp32)."""
-    logp = F.log_softmax(logits.float(), dim=-1)  # [B, T, V]
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of each position's next-token distribution: logits [B, T, V] -> [B, T]."""
-    logp = F.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 # KL(policy || reference) estimated from tokens the policy sampled (Schulman, "Approximating
 # KL divergence", 2020). With log_r = ref - policy: k1 = -log_r is unbiased but can go
 # negative; k2 = log_r^2 / 2 is biased but low-variance; k3 = e^log_r - 1 - log_r is
@@ -238,3 +226,25 @@ def grpo_loss(
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy)
     return loss, {k: v.detach().float() for k, v in metrics.items()}
+
+
+# ---------------------------------------------------------------------------- the value loss
+
+
+def value_loss(
+    values: torch.Tensor,  # [B, T] the value head's predictions (with grad), read where `mask` is 1
+    old_values: torch.Tensor,  # [B, T] its predictions before the step's update (the advantages' baseline)
+    returns: torch.Tensor,  # [B, T] each turn's value target, the lambda-return A + V (estimators/ppo.py)
+    mask: torch.Tensor,  # [B, T] 1 at the first sampled token of each turn: one value per turn
+    clip: float | None = None,  # PPO's value clip: a prediction counts as if within +-clip of old_values
+    denominator: float | None = None,  # the batch's number of turns, when this is a piece of it
+) -> torch.Tensor:
+    """0.5 (V - return)^2 summed over turns / denominator. Clipped as in PPO's implementation (and TRL's): the
+    larger of the plain and the clipped prediction's squared error, so the head cannot move far in one step."""
+    mask = mask.to(values.dtype)
+    error = (values - returns) ** 2
+    if clip is not None:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        error = torch.maximum(error, (clipped - returns) ** 2)
+    denominator = mask.sum().clamp(min=1) if denominator is None else denominator
+    return 0.5 * (error * mask).sum() / denominator

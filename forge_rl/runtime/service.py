@@ -219,13 +219,17 @@ class Service:
                 self.sessions[session] = retry.index
             return await self._call(retry, endpoint, args, kwargs, timeout)
 
-    async def fanout(self, endpoint: str, *args, timeout: float | None = None, **kwargs) -> list:
-        """Call `endpoint` on every healthy replica concurrently; returns the results of those that
-        answered, in replica order. A replica found dead is left out and restarted (`after_restart`
-        brings it up to date), so a fanout fails only on an error raised by a live replica, or when
-        no replica is up and none is restarting."""
+    def healthy(self) -> list[int]:
+        """The indices of the replicas taking calls now."""
+        return [r.index for r in self.replicas if r.healthy]
+
+    async def fanout(self, endpoint: str, *args, timeout: float | None = None, to: list[int] | None = None, **kwargs) -> list:
+        """Call `endpoint` on every healthy replica (of those in `to`, if given) concurrently; returns the
+        results of those that answered, in replica order. A replica found dead is left out and restarted
+        (`after_restart` brings it up to date), so a fanout fails only on an error raised by a live
+        replica, or when no replica is up and none is restarting."""
         timeout = timeout or self.call_timeout_s
-        targets = [r for r in self.replicas if r.healthy]
+        targets = [r for r in self.replicas if r.healthy and (to is None or r.index in to)]
         if not targets and not any(r.restarting is not None and not r.restarting.done() for r in self.replicas):
             raise NoHealthyReplica(f"{self.name}: no healthy replica to fan out {endpoint!r} to")
         actors = [r.actor for r in targets]

@@ -21,19 +21,25 @@ class Publisher:
     (its handle is in TorchStore). `adapter` ({"scale": ...}) says the tensors are LoRA adapters, which the
     generators merge into their base weights. Where the publisher says `every_rank_writes`, the trainer may
     pass `rows=True` with each rank's iterator giving (first row, its own rows) instead
-    (engines/titan/hf_weights.py `hf_weight_rows`), and every rank writes them.
+    (engines/titan/hf_weights.py `hf_weight_rows`), and every rank writes them. `receivers` (generator
+    replica indices) matters to a transport that sends to each (broadcast): it returns those it sent to;
+    the others return None (every generator fetches the version itself).
     """
 
     every_rank_writes = False
 
-    async def publish(self, shapes: dict, tensors, version: int, rows: bool = False, adapter: dict | None = None) -> None:
+    async def publish(self, shapes: dict, tensors, version: int, rows: bool = False, adapter: dict | None = None,
+                      receivers: list[int] | None = None) -> list[int] | None:
         raise NotImplementedError
 
     async def sent(self) -> None:
         """Wait until the last publication no longer reads the trainer's parameters (before they change)."""
 
-    def join(self, rendezvous: str, port: int, world: int, bind: str) -> None:
+    def join(self, rendezvous: str, port: int, world: int, bind: str, replica: int = 0) -> None:
         raise ValueError(f"{type(self).__name__}: only the broadcast transport joins a process group")
+
+    def resend(self, replica: int, tensors, version: int) -> None:
+        raise ValueError(f"{type(self).__name__}: only the broadcast transport sends to one replica")
 
     def close(self) -> None:
         """Release what the publisher holds (shared-memory buffers)."""

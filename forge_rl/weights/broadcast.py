@@ -1,20 +1,31 @@
-"""Broadcast across hosts: the trainer's rank 0 and every vLLM worker form a process group of their own (gloo
-on CPU, NCCL on GPUs); each version goes out tensor by tensor into a staging buffer each worker keeps, and
-is loaded from views of it. The version's WeightsHandle (the layout) goes to TorchStore.
+"""Broadcast across hosts: one process group per generator replica (gloo on CPU, NCCL on GPUs), the trainer's
+rank 0 and that replica's vLLM workers. Each version goes out tensor by tensor, after a one-number header
+saying which version it is, into a staging buffer each worker keeps, and is loaded from views of it. The
+version's WeightsHandle (the layout) goes to TorchStore.
+
+A group per replica, not one for all: a collective waits for every member, so in one group a single lost
+replica failed (gloo) or stalled (NCCL, a silent host) every update. Here a send that fails drops that
+replica's group alone; the controller sends each version to the replicas it will tell to load it
+(`receivers`), restarts a replica it could not reach, and a restarted replica rejoins with a group of its
+own and is sent the current version before it takes calls (`rejoin`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 import socket
 
 import torch
 
 from forge_rl import weights as base
 from forge_rl.compat.torch import standalone_process_group
+from forge_rl.runtime.actor import call
 from forge_rl.weights import control
-from forge_rl.weights.layout import WeightsHandle, make_layout, tensor_views
+from forge_rl.weights.layout import StaleWeightsError, WeightsHandle, make_layout, tensor_views
+
+logger = logging.getLogger(__name__)
 
 
 def join_group(rendezvous: str, port: int, rank: int, world: int, bind: str, timeout_s: float = 300.0):
@@ -35,16 +46,21 @@ def group_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def broadcast_send(group, tensors: list[torch.Tensor]) -> None:
-    """Rank 0 (trainer): send every tensor, in the handle's layout order."""
+def broadcast_send(group, version: int, tensors: list[torch.Tensor]) -> None:
+    """Rank 0 (trainer): the version header, then every tensor in the handle's layout order."""
     device = group_device()
+    group.broadcast(torch.tensor([version], dtype=torch.int64, device=device), 0).wait()
     for t in tensors:
         group.broadcast(t.to(device).contiguous(), 0).wait()
 
 
 def broadcast_receive(group, handle: WeightsHandle, staging: torch.Tensor | None) -> torch.Tensor:
     """Other ranks (vLLM workers): receive one version into `staging` (reallocated only when too small),
-    returned for `tensor_views`."""
+    returned for `tensor_views`. A header naming another version than the handle's is refused."""
+    header = torch.zeros(1, dtype=torch.int64, device=group_device())
+    group.broadcast(header, 0).wait()
+    if int(header.item()) != handle.version:
+        raise StaleWeightsError(f"broadcast carries version {int(header.item())}, expected {handle.version}")
     if staging is None or staging.numel() < handle.nbytes:
         staging = torch.empty(handle.nbytes, dtype=torch.uint8, device=group_device())
     for _, view in tensor_views(staging, handle.layout):
@@ -52,47 +68,99 @@ def broadcast_receive(group, handle: WeightsHandle, staging: torch.Tensor | None
     return staging
 
 
-async def connect(trainer, generators: list, procs_per_generator: int, rendezvous: str,
-                  generator_binds: list[str], port: int) -> None:
-    """Controller: form the broadcast group, trainer rank 0 (binding `rendezvous`) and every vLLM worker of
-    each generator actor (generator i binding generator_binds[i]). All join at once: it is a rendezvous.
-    A replica the service restarts later is not in the group: its updates fail until the run restarts."""
-    world = 1 + len(generators) * procs_per_generator
+async def _join(trainer, generator, replica: int, procs: int, rendezvous: str, bind: str, port: int) -> None:
+    """The trainer's rank 0 and every vLLM worker of one replica form that replica's group (a rendezvous)."""
     await asyncio.gather(
-        trainer.join_weights_group.call(rendezvous, port, world, rendezvous),
-        *(g.join_weights_group.call(rendezvous, port, 1 + i * procs_per_generator, world, bind)
-          for i, (g, bind) in enumerate(zip(generators, generator_binds))),
+        trainer.join_weights_group.call(rendezvous, port, 1 + procs, rendezvous, replica),
+        generator.join_weights_group.call(rendezvous, port, 1, 1 + procs, bind),
     )
 
 
+async def connect(trainer, generators: list, procs_per_generator: int, rendezvous: str,
+                  generator_binds: list[str], ports: list[int]) -> None:
+    """Controller, at set-up: a group for each replica (generator i binding generator_binds[i]), each on a
+    port of its own on the trainer's host (`free_ports`)."""
+    await asyncio.gather(*(
+        _join(trainer, g, i, procs_per_generator, rendezvous, bind, port)
+        for i, (g, bind, port) in enumerate(zip(generators, generator_binds, ports, strict=True))
+    ))
+
+
+async def free_ports(host, n: int) -> list[int]:
+    """n distinct ports free now on `host` (the provisioner's view of the trainer's host)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        if (port := await host.free_port()) not in ports:
+            ports.append(port)
+    return ports
+
+
+async def rejoin(replica, trainer, procs: int, rendezvous: str, binds: list[str], trainer_host, timeout_s: float = 300.0) -> None:
+    """Service.after_restart under broadcast: the restarted replica forms a new group with the trainer, which
+    sends it the newest pushed version while its parameters are still that version (`resend_weights`
+    answers False from an optimizer step until the next push: then ask again). A version pushed while this
+    runs went to the healthy replicas only: the loop takes it too."""
+    await _join(trainer, replica.actor, replica.index, procs, rendezvous, binds[replica.index], await trainer_host.free_port())
+    loaded, deadline = 0, asyncio.get_running_loop().time() + timeout_s
+    while (latest := await control.latest_pushed_version()) > loaded:
+        if not await call(trainer, "resend_weights", replica.index, latest, timeout_s=timeout_s):
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"generator replica {replica.index}: the trainer never held version {latest} to resend")
+            await asyncio.sleep(0.2)
+            continue
+        await replica.actor.update_weights.call(latest)
+        logger.warning("generator replica %d rejoined the weights broadcast at version %d", replica.index, latest)
+        loaded = latest
+
+
 class Publisher(base.Publisher):
-    """Rank 0 sends the gathered tensors (an unsharded trainer: its parameters themselves) to every vLLM
-    worker and returns once the handle is in TorchStore; the send completes as the workers take it. `sent`
-    waits for it: the next push and the next optimizer step (the parameters must not change meanwhile)."""
+    """Rank 0 sends the gathered tensors (an unsharded trainer: its parameters themselves) to the replicas it
+    is told to, each over its own group in a thread of its own, and returns once the handle is in
+    TorchStore; the sends complete as the workers take them. `sent` waits for them (the next push and the
+    next optimizer step: the parameters must not change meanwhile); a send that failed drops its group."""
 
     def __init__(self, rank: int, world: int, device):
-        self.rank, self.group, self.sending = rank, None, None
+        self.rank, self.groups, self.sending = rank, {}, []
 
-    def join(self, rendezvous: str, port: int, world: int, bind: str) -> None:
+    def join(self, rendezvous: str, port: int, world: int, bind: str, replica: int = 0) -> None:
         if self.rank == 0:
-            self.group = join_group(rendezvous, port, 0, world, bind)
+            self.groups[replica] = join_group(rendezvous, port, 0, world, bind)
 
-    async def publish(self, shapes: dict, tensors, version: int, rows: bool = False, adapter: dict | None = None) -> None:
+    async def publish(self, shapes: dict, tensors, version: int, rows: bool = False, adapter: dict | None = None,
+                      receivers: list[int] | None = None) -> list[int] | None:
         if self.rank != 0:
-            return
-        if self.group is None:
+            return None
+        if not self.groups:
             raise RuntimeError("Trainer: weight_sync is broadcast but join_weights_group was never called")
         await self.sent()  # one at a time, in version order
         tensors = list(tensors)  # sharded: gathered now; else the parameters themselves
         layout, nbytes = make_layout(shapes)
-        self.sending = asyncio.ensure_future(asyncio.to_thread(broadcast_send, self.group, tensors))
+        chosen = sorted(self.groups if receivers is None else set(receivers) & set(self.groups))
+        for replica in chosen:
+            self._send(replica, version, tensors)
         handle = WeightsHandle("broadcast", version, socket.gethostname(), layout=layout, nbytes=nbytes, adapter=adapter or {})
         await control.put_handle(handle.as_dict(), version)
+        return chosen
+
+    def resend(self, replica: int, tensors, version: int) -> None:
+        """Rank 0: send an already published version to one (rejoined) replica."""
+        if self.rank == 0:
+            self._send(replica, version, list(tensors))
+
+    def _send(self, replica: int, version: int, tensors: list[torch.Tensor]) -> None:
+        group = self.groups[replica]
+        self.sending.append((replica, group, asyncio.ensure_future(asyncio.to_thread(broadcast_send, group, version, tensors))))
 
     async def sent(self) -> None:
-        if self.sending is not None:
-            sending, self.sending = self.sending, None
-            await sending
+        sending, self.sending = self.sending, []
+        for replica, group, task in sending:
+            try:
+                await task
+            except Exception as e:  # that replica's workers are gone or broken: it restarts and rejoins
+                why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+                logger.warning("weights broadcast to generator replica %d failed (%s); it is left out until it rejoins", replica, why)
+                if self.groups.get(replica) is group:  # not the group a rejoin has made since
+                    del self.groups[replica]
 
 
 async def stage(version: int, handle: dict, engine, prefix: str) -> tuple[str, tuple, None]:

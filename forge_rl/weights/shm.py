@@ -238,7 +238,8 @@ class Publisher(base.Publisher):
             dist.all_gather_object(hosts, socket.gethostname())
             self.every_rank_writes = len(set(hosts)) == 1
 
-    async def publish(self, shapes: dict, tensors, version: int, rows: bool = False, adapter: dict | None = None) -> None:
+    async def publish(self, shapes: dict, tensors, version: int, rows: bool = False, adapter: dict | None = None,
+                      receivers: list[int] | None = None) -> None:
         if rows:
             await self._write_own_rows(shapes, tensors, version)
         elif self.rank == 0:

@@ -28,7 +28,8 @@ class Publisher(base.Publisher):
     def __init__(self, rank: int, world: int, device):
         self.rank = rank
 
-    async def publish(self, shapes: dict, tensors, version: int, rows: bool = False, adapter: dict | None = None) -> None:
+    async def publish(self, shapes: dict, tensors, version: int, rows: bool = False, adapter: dict | None = None,
+                      receivers: list[int] | None = None) -> None:
         if self.rank == 0:
             await control.put_state_dict(dict(zip(shapes, tensors, strict=True)), version)
             nbytes = sum(t.numel() * t.element_size() for t in shapes.values())

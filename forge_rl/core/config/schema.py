@@ -11,9 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
-
-class ConfigError(ValueError):
-    """Bad configuration; the message is one line naming the key, the file and what was expected."""
+from forge_rl.core.config.checks import ConfigError, check_mapping, check_non_negative, check_positive
+from forge_rl.core.config.grpo import GRPOConfig, ISCorrectionConfig, SelfImitationConfig  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -25,7 +24,7 @@ class ModelConfig:
     chat_template_kwargs: dict = field(default_factory=dict)
 
     def check(self, key):
-        _mapping(self, key, "chat_template_kwargs")
+        check_mapping(self, key, "chat_template_kwargs")
 
 
 @dataclass
@@ -48,8 +47,8 @@ class EnvConfig:
             self.server = self.DATASET_SERVER  # launched on loopback like any env.server; check.py reads the dataset
         if (self.url is None) == (self.server is None):
             raise ConfigError(f"{key}: set exactly one of env.url or env.server")
-        _positive(self, key, "max_concurrent", "timeout_s", "capacity_wait_s")
-        _mapping(self, key, "reset_args")
+        check_positive(self, key, "max_concurrent", "timeout_s", "capacity_wait_s")
+        check_mapping(self, key, "reset_args")
 
 
 @dataclass
@@ -63,104 +62,12 @@ class SamplingConfig:
         """The one rule that keeps behaviour and trained log-probs of the same distribution: the
         generator returns the log-probs of what it sampled from, and the trainer and reference
         reproduce that distribution (engines/titan/model.py `sampling_logits`) only for what it can mirror."""
-        _positive(self, key, "max_tokens", "temperature")
+        check_positive(self, key, "max_tokens", "temperature")
         if self.top_p != 1.0:
             raise ConfigError(
                 f"{key}.top_p: expected 1.0, got {self.top_p} (the trainer scores the whole distribution, so "
                 "truncated sampling would skew the PPO ratio; lower sampling.temperature instead)"
             )
-
-
-@dataclass
-class ISCorrectionConfig:
-    """Importance-sampling correction of the loss (core/loss.py `is_weights`; docs/off_policy.md)."""
-
-    level: Literal["off", "token", "seq", "geo"] = "off"
-    mode: Literal["mask", "clip", "trunc"] = "mask"
-    threshold: list = field(default_factory=lambda: [0.5, 2.0])  # [low, high] band of the ratio's gate
-
-    def check(self, key):
-        t = self.threshold
-        if not (isinstance(t, list) and len(t) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in t)):
-            raise ConfigError(f"{key}.threshold: expected [low, high], two numbers, got {t!r}")
-        self.threshold = [float(x) for x in t]
-        if not 0 <= t[0] <= 1 <= t[1] or t[0] == t[1]:
-            raise ConfigError(f"{key}.threshold: expected 0 <= low <= 1 <= high and low < high, got {t}")
-        if self.level in ("seq", "geo") and self.mode != "mask":
-            raise ConfigError(
-                f"{key}: level {self.level} with mode {self.mode} makes no sense (a sequence's ratio is no "
-                "token's importance weight); use mode mask, or level token"
-            )
-
-
-@dataclass
-class SelfImitationConfig:
-    """Self-imitation (Oh et al. 2018; forge_rl/recipes/grpo/self_imitation.py): each group's best episode, when it beats
-    the group's mean, joins a pool, and every train step also maximises the likelihood of `episodes` of them."""
-
-    episodes: int = 0  # pool episodes replayed per train step; 0: off
-    coef: float = 1.0  # weight of their mean token NLL beside the GRPO loss
-    capacity: int = 4096  # the most recent best episodes kept
-
-    def check(self, key):
-        _non_negative(self, key, "episodes", "coef")
-        _positive(self, key, "capacity")
-
-
-@dataclass
-class GRPOConfig:
-    group_size: int = 4  # games per group, dealt from the same seed
-    batch_size: int = 64  # groups per train step
-    max_policy_age: int = 1  # drop data sampled more than this many versions ago
-    # The advantage estimator (core/estimators/): grpo (group mean and std), dr_grpo (group mean), rloo
-    # (leave-one-out mean), reinforce_pp (group mean, the batch's std)
-    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "dr_grpo"
-    # dr_grpo only: divide by the group's mean absolute reward (for rewards >= 0 its mean): the gradient of
-    # log pass rate; each group that found a pass weighs as one labelled example (estimators/dr_grpo.py)
-    normalize_mean: bool = False
-    clip_low: float = 0.2  # PPO clip, ratio >= 1 - clip_low
-    clip_high: float = 0.28  # DAPO clip-higher, ratio <= 1 + clip_high
-    kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
-    ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's ratio and clip per sequence (core/loss.py)
-    # No bonus, as in GRPO (Shao et al. 2024) and DAPO (Yu et al. 2025): over a pretrained model's whole vocabulary
-    # a bonus pushes free text toward noise; an app whose few answers must stay sampled sets its own
-    entropy_coef: float = 0.0
-    # The bonus acts only while the mean entropy per trained token is below this floor (None: always).
-    entropy_floor: Optional[float] = None
-    filter_zero_spread: bool = False  # DAPO dynamic sampling: skip groups whose rewards are all equal
-    # Weight of each answer's own credit beside its game's: the games of a group that reached the same
-    # conversation compared from there (GiGPO's step-level advantage; estimators/turn_credit.py). 0: off
-    turn_credit: float = 0.0
-    # A change of objective, not variance reduction: each one-token answer's batch-mean advantage subtracted
-    # (estimators/centring.py). Needs sampling.constrained; no result of the project's rests on it
-    centre_per_answer: bool = False
-    max_token_age: Optional[int] = None  # drop from the loss tokens sampled more than this many versions ago
-    # DAPO's overlong handling (Yu et al. 2025) for answers cut at sampling.max_tokens: keep their episodes out of
-    # the loss (they still count in their group's baseline); and/or a soft penalty, 0 to -1 over an answer's
-    # last `overlong_buffer` tokens before max_tokens, added to the reward (0: off)
-    overlong_filter: bool = False
-    overlong_buffer: int = 0
-    is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
-    self_imitation: SelfImitationConfig = field(default_factory=SelfImitationConfig)
-
-    RETIRED_KEYS = {"normalize_std": "replaced by grpo.estimator: grpo divides by the group's std, dr_grpo does not"}
-
-    def check(self, key):
-        if self.group_size < 2:
-            raise ConfigError(f"{key}.group_size: expected >= 2 (advantages compare a group), got {self.group_size}")
-        _positive(self, key, "batch_size")
-        _non_negative(self, key, "max_policy_age", "clip_low", "clip_high", "kl_coef", "entropy_coef", "turn_credit", "overlong_buffer")
-        if self.normalize_mean and self.estimator != "dr_grpo":
-            raise ConfigError(f"{key}.normalize_mean: a scale of dr_grpo's advantages, but estimator is {self.estimator}: set estimator dr_grpo")
-        if self.clip_low >= 1:
-            raise ConfigError(f"{key}.clip_low: expected < 1 (the ratio is clipped below at 1 - clip_low), got {self.clip_low}")
-        _non_negative(self, key, *(["max_token_age"] if self.max_token_age is not None else []))
-        if self.entropy_floor is not None and self.entropy_floor <= 0:
-            raise ConfigError(f"{key}.entropy_floor: expected > 0 nats, or null for a bonus that always acts, got {self.entropy_floor}")
-        if self.entropy_floor is not None and self.entropy_coef == 0:
-            raise ConfigError(f"{key}.entropy_floor: {self.entropy_floor} holds the entropy up with the bonus, but entropy_coef is 0: set entropy_coef > 0")
 
 
 @dataclass
@@ -174,8 +81,8 @@ class OptimizerConfig:
     max_grad_norm: float = 1.0
 
     def check(self, key):
-        _positive(self, key, "lr", "max_grad_norm")
-        _non_negative(self, key, "weight_decay", "warmup_steps")
+        check_positive(self, key, "lr", "max_grad_norm")
+        check_non_negative(self, key, "weight_decay", "warmup_steps")
 
 
 LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # HF names
@@ -191,7 +98,7 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: list(LINEAR_LAYERS))  # HF names of the adapted layers
 
     def check(self, key):
-        _positive(self, key, "rank", "alpha")
+        check_positive(self, key, "rank", "alpha")
         if self.dropout != 0:
             # Dropout would make the trainer's log-probs random (the ratio against the generator's would be noise),
             # and one mask would serve every episode a shared forward row scores.
@@ -215,8 +122,8 @@ class TrainerConfig:
     lora: Optional[LoraConfig] = None  # None: full fine-tuning
 
     def check(self, key):
-        _positive(self, key, "procs", "hosts", "micro_batch_size", "max_steps", "timeout_s")
-        _non_negative(self, key, "checkpoint_every")
+        check_positive(self, key, "procs", "hosts", "micro_batch_size", "max_steps", "timeout_s")
+        check_non_negative(self, key, "checkpoint_every")
 
 
 @dataclass
@@ -228,9 +135,10 @@ class GeneratorConfig:
     gpu_memory_utilization: float = 0.05  # on CPU: share of host memory for the KV cache
     weight_sync: Literal["auto", "shm", "broadcast", "store"] = "auto"  # how weights travel (forge_rl/weights/)
     partial_rollouts: bool = False  # True: a weight update pauses running requests, false: waits for them
+    eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU; LoRA runs are eager (engines/vllm/lora_serving.py)
 
     def check(self, key):
-        _positive(self, key, "num_replicas", "procs", "hosts", "max_model_len")
+        check_positive(self, key, "num_replicas", "procs", "hosts", "max_model_len")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"{key}.gpu_memory_utilization: expected in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -241,7 +149,7 @@ class ReferenceConfig:
     hosts: int = 1  # hosts the replicas are spread over: replica i runs on host i % hosts
 
     def check(self, key):
-        _positive(self, key, "num_replicas", "hosts")
+        check_positive(self, key, "num_replicas", "hosts")
 
 
 @dataclass
@@ -254,8 +162,8 @@ class RolloutConfig:
     cutoff_reward: Optional[float] = None
 
     def check(self, key):
-        _positive(self, key, "num_workers", "max_turns")
-        _non_negative(self, key, "invalid_action_penalty")
+        check_positive(self, key, "num_workers", "max_turns")
+        check_non_negative(self, key, "invalid_action_penalty")
 
     @property
     def cutoff_score(self) -> float:
@@ -271,9 +179,9 @@ class EvalConfig:
     task_split: Optional[str] = None  # None: the seeds above; a split: its tasks 0 .. num_games - 1 (at most all)
 
     def check(self, key):
-        _non_negative(self, key, "interval")
-        _positive(self, key, "num_games")
-        _mapping(self, key, "reset_args")
+        check_non_negative(self, key, "interval")
+        check_positive(self, key, "num_games")
+        check_mapping(self, key, "reset_args")
 
 
 @dataclass
@@ -284,7 +192,7 @@ class KubernetesConfig:
     timeout_s: int = 600
 
     def check(self, key):
-        _positive(self, key, "timeout_s")
+        check_positive(self, key, "timeout_s")
 
 
 @dataclass
@@ -321,8 +229,8 @@ class ChatConfig:
     agent_timeout_s: float = 300.0  # one agent run (run_agent) before it is cancelled
 
     def check(self, key):
-        _positive(self, key, "agent_timeout_s")
-        _non_negative(self, key, "port")
+        check_positive(self, key, "agent_timeout_s")
+        check_non_negative(self, key, "port")
 
 
 @dataclass
@@ -332,7 +240,7 @@ class LoggingConfig:
     samples_every: int = 10  # train steps between a few training games logged as text (samples.jsonl); 0: none
 
     def check(self, key):
-        _non_negative(self, key, "samples_every")
+        check_non_negative(self, key, "samples_every")
 
 
 @dataclass
@@ -381,20 +289,6 @@ def _replicas_fill_hosts(role: str, replicas: int, hosts: int) -> None:
     if hosts > replicas:
         raise ConfigError(f"{role}.hosts: {hosts} hosts for {replicas} replica(s) leaves {hosts - replicas} idle: set {role}.num_replicas >= {role}.hosts")
     if replicas % hosts:
-        raise ConfigError(f"{role}.num_replicas: {replicas} replicas over {hosts} hosts is uneven (replica i runs on host i % hosts): make it a multiple of {role}.hosts")
-
-
-def _positive(section, key, *names):
-    for name in (n for n in names if getattr(section, n) <= 0):
-        raise ConfigError(f"{key}.{name}: expected > 0, got {getattr(section, name)}")
-
-
-def _mapping(section, key, name):
-    value = getattr(section, name)
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise ConfigError(f"{key}.{name}: expected a mapping of argument names to values, got {value!r}")
-
-
-def _non_negative(section, key, *names):
-    for name in (n for n in names if getattr(section, n) < 0):
-        raise ConfigError(f"{key}.{name}: expected >= 0, got {getattr(section, name)}")
+        raise ConfigError(
+            f"{role}.num_replicas: {replicas} replicas over {hosts} hosts is uneven (replica i runs on host i % hosts): make it a multiple of {role}.hosts"
+        )

@@ -6,38 +6,45 @@
 | `dr_grpo`      | group mean                               | (1 - 1/G) x the policy gradient                  |
 | `rloo`         | mean of the group's OTHER rewards        | the policy gradient (unbiased)                   |
 | `reinforce_pp` | group mean, divided by the batch's std   | the policy gradient's direction                  |
+| `ppo`          | a learned value of each turn's state, GAE | the policy gradient with lambda = gamma = 1     |
 
 On top of any of them: `grpo.turn_credit` (turn_credit.py, GiGPO's per-turn comparison, sound),
 `grpo.overlong_buffer` (DAPO's soft penalty on answers near max_tokens, a shaping of the reward) and
 `grpo.centre_per_answer` (centring.py, a change of objective). Each module is a function over a group's
-rewards; a new estimator is a new module and a line in ESTIMATORS. Advantages are always per token.
+rewards (ppo's, over an episode's turns and the values the trainer's value head gave them); a new estimator is
+a new module and a line in ESTIMATORS. Advantages are always per token.
 """
 
 from __future__ import annotations
 
 import torch
 
-from forge_rl.core.estimators import dr_grpo, grpo, reinforce_pp, rloo
+from forge_rl.core.estimators import dr_grpo, grpo, ppo, reinforce_pp, rloo
 from forge_rl.core.estimators.centring import centre_per_answer
 from forge_rl.core.estimators.groups import answer_turns, group_rewards, rows_by_group
 from forge_rl.core.estimators.turn_credit import turn_advantages
 from forge_rl.core.types import Episode
 
-ESTIMATORS = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp}
+ESTIMATORS = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp, "ppo": ppo}
 
 
 def estimate(
-    batch: list[Episode], config, masks: list[torch.Tensor] | None = None, max_tokens: int | None = None
+    batch: list[Episode], config, masks: list[torch.Tensor] | None = None, max_tokens: int | None = None,
+    values: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Per token [T] advantages of each episode of `batch` (whole groups) under `config` (GRPOConfig).
 
     masks: each episode's trained positions [T] as the loss will see them (after `max_token_age`); by
     default its loss_mask. Only centring reads them: the rest compares rewards, whoever is trained.
-    max_tokens: sampling.max_tokens, for `overlong_buffer`."""
+    max_tokens: sampling.max_tokens, for `overlong_buffer`. values: ppo's, each episode's [T] (ppo.py)."""
     estimator = ESTIMATORS[config.estimator]
     rewards = [e.reward for e in batch]
     if config.overlong_buffer:
         rewards = [r + overlong_penalty(e, config.overlong_buffer, max_tokens) for r, e in zip(rewards, batch)]
+    if config.estimator == "ppo":  # a baseline per turn from the value head, no group
+        if values is None:
+            raise ValueError("grpo.estimator ppo: advantages need each episode's values (a trainer with a value head)")
+        return ppo.episode_advantages(batch, rewards, values, config)
 
     def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
         return estimator.group_advantages(rewards, config)

@@ -23,14 +23,16 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from forge_rl.engines.titan import lora as lora_layers
+from forge_rl.engines.titan.value_head import policy_state
 
 PEFT_PREFIX = "base_model.model."
 TIED_HEAD = "lm_head.weight"  # HF's name of the output head, absent from a checkpoint whose embeddings it shares
 
 
 def export_hf(model: torch.nn.Module, adapter, model_dir: str | Path, out: str | Path, lora=None) -> None:
-    """Every rank calls it (the weights are gathered); rank 0 writes `out` (replacing what was there)."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """Every rank calls it (the weights are gathered); rank 0 writes `out` (replacing what was there). The policy
+    only: PPO's value head (value_head.py) stays in the run's checkpoints."""
+    state = policy_state(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     model_dir, out = Path(model_dir), Path(out)

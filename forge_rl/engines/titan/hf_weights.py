@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 from forge_rl.compat.torch import shard_row_offset
 from forge_rl.engines.titan.lora import hf_adapter_sources
 from forge_rl.engines.titan.model import DTYPES
+from forge_rl.engines.titan.value_head import policy_state
 from forge_rl.weights.layout import fused_order
 
 
@@ -61,9 +62,9 @@ def hf_weight_rows(model: torch.nn.Module, adapter, dtype: str = "float32") -> t
 def hf_sources(model: torch.nn.Module, adapter, target: torch.dtype) -> tuple[dict, dict, set]:
     """(HF name -> meta tensor, in `fused_order`; HF name -> (TorchTitan name, parameter); the HF names that
     are their parameter only renamed). From `model.state_dict()`: detached, DTensor shards when sharded,
-    no communication; `adapter.to_hf` is per key, so it maps meta tensors as well."""
+    no communication; `adapter.to_hf` is per key, so it maps meta tensors as well. PPO's value head stays."""
     shapes, sources, renamed = {}, {}, set()
-    for name, param in model.state_dict().items():
+    for name, param in policy_state(model.state_dict()).items():
         meta = torch.empty(param.shape, dtype=target, device="meta")
         for hf_name, hf_meta in adapter.to_hf({name: meta}).items():
             sources[hf_name], shapes[hf_name] = (name, param), hf_meta

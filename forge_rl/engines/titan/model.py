@@ -27,7 +27,7 @@ from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAda
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
-from forge_rl.core.loss import token_logprobs
+from forge_rl.engines.titan import value_head as value_heads
 from forge_rl.engines.titan.lora import apply_lora, initial_state, lora_layers, with_base_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -132,10 +132,13 @@ def init_distributed() -> tuple[int, int, torch.device]:
 # ---------------------------------------------------------------------------- the model
 
 
-def build_model(hf_dir: str | Path, device: torch.device, dtype: str = "float32", shard: bool | None = None, lora=None):
+def build_model(
+    hf_dir: str | Path, device: torch.device, dtype: str = "float32", shard: bool | None = None, lora=None, value_head: bool = False
+):
     """TorchTitan model holding the HF checkpoint's weights; returns (model, adapter).
 
-    Built on the meta device, with LoRA layers when `lora` (a LoraConfig) is given (lora.py), sharded with
+    Built on the meta device, with LoRA layers when `lora` (a LoraConfig) is given (lora.py) and PPO's value head
+    when `value_head` (value_head.py: after LoRA, which freezes every other parameter), sharded with
     FSDP2 over all ranks when there is more than one (`shard` overrides), then materialised and filled from
     the HF safetensors (and the adapters' starting values). Parameters stay fp32 (the optimizer's master
     copy); `dtype` is the compute dtype: FSDP's mixed precision when sharded, autocast otherwise.
@@ -152,6 +155,8 @@ def build_model(hf_dir: str | Path, device: torch.device, dtype: str = "float32"
         model = model_cls(args)
     if lora is not None:
         apply_lora(model, adapter, lora)
+    if value_head:
+        value_heads.attach(model)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if shard if shard is not None else world > 1:
         shard_model(model, init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",)), dtype)
@@ -188,7 +193,7 @@ def load_hf_weights(model: torch.nn.Module, adapter, hf_dir: Path) -> None:
         hf_state.update(load_file(str(file)))
     if not hf_state:
         raise FileNotFoundError(f"{hf_dir}: no *.safetensors weights found")
-    state = {k: v.float() for k, v in adapter.from_hf(hf_state).items()}
+    state = {k: v.float() for k, v in adapter.from_hf(hf_state).items()} | value_heads.initial_state(model)
     if lora_layers(model):
         state = with_base_names(state, model) | initial_state(model)
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
@@ -223,33 +228,6 @@ def sampling_logits(logits: torch.Tensor, allowed_token_ids: list[int] | None, t
     return logits if temperature == 1.0 else logits / temperature
 
 
-def sampling_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, allowed_token_ids: list[int] | None = None, temperature: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of `targets` under the sampling distribution of `logits` (see `sampling_logits`), and
-    that distribution's logits: logits [B, T, V], targets [B, T] -> ([B, T], [B, T, V or A]).
-
-    Constrained (`allowed_token_ids`, A of them): only the A allowed logits are kept, so the softmax,
-    the entropy and their backward cost A, not V, per position; the other ids have probability 0,
-    which is why this equals the log-softmax of `sampling_logits` over the whole vocabulary. A target
-    outside the allowed ids (a prompt position, never trained) gets the same finite -1e9 / temperature
-    - logsumexp that masking the whole vocabulary gives it.
-    """
-    if allowed_token_ids is None:
-        logits = sampling_logits(logits, None, temperature)
-        return token_logprobs(logits, targets), logits
-    allowed = torch.as_tensor(list(allowed_token_ids), device=logits.device)
-    logits = sampling_logits(logits.index_select(-1, allowed), None, temperature)  # [B, T, A]
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    where = torch.full((int(allowed.max()) + 1,), -1, dtype=torch.long, device=logits.device)
-    where[allowed] = torch.arange(len(allowed), device=logits.device)
-    index = where[targets.clamp(max=len(where) - 1)]
-    index = torch.where(targets < len(where), index, -1)  # [B, T] the target's place among the allowed ids, or -1
-    lp = logp.gather(-1, index.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    outside = -1e9 / temperature - torch.logsumexp(logits.float(), dim=-1)
-    return torch.where(index >= 0, lp, outside), logits
-
-
 @contextmanager
 def scoring_head(model: torch.nn.Module, index: torch.Tensor):
     """Within it, `model(tokens)` ([B, T] ids) returns logits only at the flat positions `index` of its [B * T]
@@ -264,37 +242,44 @@ def scoring_head(model: torch.nn.Module, index: torch.Tensor):
 
 def scored_logprobs(
     logits: torch.Tensor, which: torch.Tensor, targets: torch.Tensor, allowed_token_ids: list[int] | None = None,
-    temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob and entropy of the sampling distribution (see `sampling_logprobs`) for N tokens: token i is
-    `targets[i]`, predicted by row `which[i]` of `logits` [U, V]. Returns ([N], [N]). Constrained decoding's
-    softmax covers the allowed ids only, as vLLM's `allowed_token_ids` does; a trained token is one of them."""
+    temperature: float = 1.0, entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The one computation of log-probs under the sampling distribution (`sampling_logits`): for N tokens,
+    token i is `targets[i]`, predicted by row `which[i]` of `logits` [U, V]. Returns ([N], entropy [N] or None).
+    Constrained, the softmax covers the A allowed ids only (as vLLM's `allowed_token_ids` does), so it and
+    its backward cost A, not V, per row; a target outside them (a prompt position, never trained) gets the
+    finite -1e9 / temperature - logsumexp that masking the whole vocabulary would give it."""
+    outside = None
     if allowed_token_ids is not None:
         allowed = torch.as_tensor(list(allowed_token_ids), device=logits.device)
         column = torch.full((int(allowed.max()) + 1,), -1, dtype=torch.long, device=logits.device)
         column[allowed] = torch.arange(len(allowed), device=logits.device)
-        logits, targets = logits.index_select(-1, allowed), column[targets]
+        logits = logits.index_select(-1, allowed)
+        targets = torch.where(targets < len(column), column[targets.clamp(max=len(column) - 1)], -1)
+        outside = targets < 0
     logp = torch.log_softmax(sampling_logits(logits, None, temperature).float(), dim=-1)  # [U, K]
-    entropy = -(logp.exp() * logp).sum(-1)  # [U]
-    return logp[which, targets], entropy[which]
+    lp = logp[which, targets.clamp(min=0)]
+    if outside is not None and outside.any():
+        lse = torch.logsumexp(sampling_logits(logits, None, temperature).float(), dim=-1)[which]
+        lp = torch.where(outside, -1e9 / temperature - lse, lp)
+    return lp, (-(logp.exp() * logp).sum(-1)[which] if entropy else None)
 
 
-def sequence_logprobs(
-    model: torch.nn.Module,
-    tokens: torch.Tensor,
-    with_logits: bool = False,
-    allowed_token_ids: list[int] | None = None,
-    temperature: float = 1.0,
-):
-    """Log-prob of each token given those before it: tokens [B, T] -> [B, T] (position 0: 0).
+def position_logprobs(logits: torch.Tensor, targets: torch.Tensor, allowed_token_ids=None, temperature: float = 1.0,
+                      entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`scored_logprobs` at every position: logits [B, T, V], targets [B, T] -> ([B, T], [B, T] or None)."""
+    b, t = targets.shape
+    flat = torch.arange(b * t, device=logits.device)
+    lp, h = scored_logprobs(logits.flatten(0, 1), flat, targets.flatten(), allowed_token_ids, temperature, entropy)
+    return lp.view(b, t), (h.view(b, t) if h is not None else None)
 
-    Positions are aligned with `tokens` like Episode.behaviour_logprobs, so masks and
-    behaviour log-probs index the same way. Returns (logprobs, logits [B, T-1, V] or None; [B, T-1, A]
-    over the allowed ids when constrained). Of the sampling distribution: see `sampling_logprobs`.
-    """
-    lp, logits = sampling_logprobs(model(tokens[:, :-1]), tokens[:, 1:], allowed_token_ids, temperature)  # position t predicts t+1
-    lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)  # [B, T]
-    return lp, (logits if with_logits else None)
+
+def sequence_logprobs(model: torch.nn.Module, tokens: torch.Tensor, allowed_token_ids=None, temperature: float = 1.0,
+                      entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each token given those before it: tokens [B, T] -> [B, T] (position 0: 0), aligned with
+    `tokens` like Episode.behaviour_logprobs; and the entropy of each position's prediction, [B, T - 1]."""
+    lp, h = position_logprobs(model(tokens[:, :-1]), tokens[:, 1:], allowed_token_ids, temperature, entropy)
+    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1), h
 
 
 @torch.no_grad()
@@ -308,6 +293,6 @@ def logprobs_of(
         rows = token_ids[start : start + micro_batch_size]
         tokens = pad_right([torch.as_tensor(r) for r in rows], max(len(r) for r in rows)).to(device)
         with autocast(device, dtype):
-            lp, _ = sequence_logprobs(model, tokens, allowed_token_ids=allowed_token_ids, temperature=temperature)
+            lp, _ = sequence_logprobs(model, tokens, allowed_token_ids, temperature)
         out.extend(lp[i, : len(r)].float().cpu() for i, r in enumerate(rows))
     return out

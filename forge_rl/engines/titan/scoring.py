@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from forge_rl.engines.titan.model import pad_right
+
 
 @dataclass
 class ForwardPlan:
@@ -74,3 +76,26 @@ def scored_positions(plan: ForwardPlan, mask: torch.Tensor, episodes: list[int],
             flat.append(row * width + p - 1)
     unique, which = torch.unique(torch.tensor(flat, dtype=torch.long), return_inverse=True)
     return torch.tensor(slots, dtype=torch.long), torch.tensor(positions, dtype=torch.long), unique, which
+
+
+def batch_tensors(batch, ref_logprobs, policy_version: int) -> dict[str, torch.Tensor]:
+    """Episodes -> right-padded [B, T] CPU tensors, lengths [B], and each token's age: how many versions
+    before `policy_version` (the last pushed) it was sampled."""
+    if not batch:
+        raise ValueError("train_step: empty batch")
+    length = max(len(e.tokens) for e in batch)
+
+    def pad(rows, dtype):
+        return pad_right([torch.as_tensor(r, dtype=dtype) for r in rows], length)
+
+    t = {
+        "tokens": pad([e.tokens for e in batch], torch.long),
+        "lengths": torch.tensor([len(e.tokens) for e in batch]),
+        "mask": pad([e.loss_mask for e in batch], torch.float32),
+        "behaviour": pad([e.behaviour_logprobs for e in batch], torch.float32),
+        "ages": policy_version - pad([e.token_versions for e in batch], torch.long),
+    }
+    t["mask"][:, 0] = 0  # the first token has no prediction to train
+    if ref_logprobs is not None:
+        t["ref"] = pad(ref_logprobs, torch.float32)
+    return t

@@ -40,11 +40,11 @@ from forge_rl.engines.titan.model import (
     build_model,
     init_distributed,
     logprobs_of,
-    pad_right,
     scored_logprobs,
     scoring_head,
 )
-from forge_rl.engines.titan.scoring import ForwardPlan, plan_forward, scored_positions
+from forge_rl.engines.titan.scoring import ForwardPlan, batch_tensors, plan_forward, scored_positions
+from forge_rl.engines.titan.value_head import NAME as VALUE_HEAD, has_value_head, head_values, scored_values, step_values
 from forge_rl.runtime.actor import ForgeActor
 from forge_rl.weights import make_publisher
 from forge_rl.weights.shm import drain
@@ -72,7 +72,9 @@ class Trainer(ForgeActor):
     by a forward without grad); and `loss_fn(logprobs [B, T], piece, logits, totals) -> (loss, metrics)` per
     micro-batch, where `piece` holds "behaviour", "mask" (weighted), "ages", "ref" (when given) and
     "advantages" as [B, T], and the pieces' gradients add up to the batch's. Its metrics must include `num_tokens` (see `reduction` for the
-    others); `imitation_coef` weighs the NLL of the episodes to imitate.
+    others); `imitation_coef` weighs the NLL of the episodes to imitate. A loss_fn whose `value_head` is true gets
+    one (value_head.py): tensors["values"] [B, T] before `prepare` (no grad, before the update; V of the state
+    before each trained token), and piece["predicted_values"] (with grad) beside the rest of what prepare added.
     """
 
     def __init__(
@@ -101,7 +103,8 @@ class Trainer(ForgeActor):
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads() // self.world))
         self.publisher = make_publisher(self.weight_sync, self.rank, self.world, self.device)
-        self.model, self.adapter = build_model(self.model_path, self.device, self.dtype, lora=self.lora)
+        value_head = getattr(self.loss_fn, "value_head", False)
+        self.model, self.adapter = build_model(self.model_path, self.device, self.dtype, lora=self.lora, value_head=value_head)
         self.model.train()
         o = self.optim_config
         titan_optim = TitanOptimizerConfig(
@@ -137,6 +140,8 @@ class Trainer(ForgeActor):
         mine = self._my_rows(len(batch))
         if ref_logprobs == "base":
             t["ref"] = self._base_logprobs(t, mine)
+        if has_value_head(self.model):  # the advantages' baseline, fixed for the step (value_head.py)
+            t["values"] = step_values(self._scored_pieces(t, mine), t["mask"], self.device)
         totals = self.loss_fn.prepare(batch, t, lambda: self._mean_entropy(t, mine))  # may narrow t["mask"]
         plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
         total_loss, tokens, forward_tokens = 0.0, 0.0, 0
@@ -161,6 +166,7 @@ class Trainer(ForgeActor):
         grad_norm = clip_grad_norm_(list(self.model.parameters()), self.optim_config.max_grad_norm)
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         await self.publisher.sent()  # the last push may still be sending these parameters
+        self.held_version = None  # from here until the next push they are no published version
         self.optimizers.step()
         self.lr_schedulers.step()
         self.optimizers.zero_grad()
@@ -178,32 +184,51 @@ class Trainer(ForgeActor):
         return metrics
 
     @endpoint
-    async def push_weights(self, version: int) -> int:
+    async def push_weights(self, version: int, receivers: list[int] | None = None) -> int:
         """All ranks (collective when sharded). The HF-named weights go by the planned transport, each tensor
         gathered as its turn comes (or, into shared memory on one host, each rank's own rows with no gather),
         and the version's handle goes into TorchStore (forge_rl/weights/); with LoRA, the adapters alone.
         Returns once generators can fetch it (a broadcast is then under way and completes as they take it; the
-        next push and the next optimizer step wait for it): the bytes published, on every rank."""
-        adapter, rows = None, self.publisher.every_rank_writes and not self.lora
-        if self.lora:
-            shapes, tensors = hf_adapter_weights(self.model, self.adapter, self.dtype)
-            adapter = {"scale": lora.scale(self.model)}
-        else:
-            shapes, tensors = (hf_weight_rows if rows else hf_weights)(self.model, self.adapter, self.dtype)
+        next push and the next optimizer step wait for it): the bytes published, on every rank. `receivers`:
+        the generator replicas a broadcast goes to (those the controller then tells to load it)."""
+        shapes, tensors, adapter, rows = self._outgoing()
         try:
-            await self.publisher.publish(shapes, tensors, version, rows, adapter)
+            await self.publisher.publish(shapes, tensors, version, rows, adapter, receivers)
         finally:  # whatever failed on one rank: the others wait in its gathers and at the barrier
             await asyncio.to_thread(drain, tensors)
             if dist.is_initialized():
                 dist.barrier()
-        self.policy_version = version
+        self.policy_version = self.held_version = version
         return sum(t.numel() * t.element_size() for t in shapes.values())
 
     @endpoint
-    async def join_weights_group(self, rendezvous: str, port: int, world: int, bind: str) -> None:
-        """All ranks, with every generator's join at the same time: rank 0 joins the broadcast group as
-        its rank 0 and hosts its rendezvous on `rendezvous:port`; other ranks do nothing."""
-        await asyncio.to_thread(self.publisher.join, rendezvous, port, world, bind)
+    async def resend_weights(self, replica: int, version: int) -> bool:
+        """All ranks. Broadcast: send `version` again, to one rejoined generator replica, if the parameters
+        are still that version (no optimizer step since its push); False otherwise (ask after the next push)."""
+        if getattr(self, "held_version", None) != version:
+            return False
+        _, tensors, _, _ = self._outgoing()
+        try:
+            self.publisher.resend(replica, tensors, version)
+        finally:
+            await asyncio.to_thread(drain, tensors)
+            if dist.is_initialized():
+                dist.barrier()
+        return True
+
+    def _outgoing(self) -> tuple[dict, object, dict | None, bool]:
+        """What a push publishes: shapes, the tensors (an iterator), the LoRA scale, whether by rows."""
+        if self.lora:
+            shapes, tensors = hf_adapter_weights(self.model, self.adapter, self.dtype)
+            return shapes, tensors, {"scale": lora.scale(self.model)}, False
+        rows = self.publisher.every_rank_writes
+        return *(hf_weight_rows if rows else hf_weights)(self.model, self.adapter, self.dtype), None, rows
+
+    @endpoint
+    async def join_weights_group(self, rendezvous: str, port: int, world: int, bind: str, replica: int = 0) -> None:
+        """All ranks, with one generator replica's join at the same time: rank 0 joins that replica's
+        broadcast group as its rank 0 and hosts its rendezvous on `rendezvous:port`; other ranks do nothing."""
+        await asyncio.to_thread(self.publisher.join, rendezvous, port, world, bind, replica)
 
     @endpoint
     async def logprobs(self, token_ids: list[torch.Tensor], base: bool = False) -> list[torch.Tensor]:
@@ -253,10 +278,10 @@ class Trainer(ForgeActor):
     # ------------------------------------------------------------------------ helpers
 
     def _checkpoint_state(self) -> dict:
-        """With LoRA the model's part is the adapters alone: the base weights are the model directory's."""
+        """With LoRA the model's part is the adapters (and a value head) alone: the base weights are the model directory's."""
         model = get_model_state_dict(self.model)
         return {
-            "model": {k: v for k, v in model.items() if ".lora_" in k} if self.lora else model,
+            "model": {k: v for k, v in model.items() if ".lora_" in k or k.startswith(VALUE_HEAD)} if self.lora else model,
             "optimizer": self.optimizers.state_dict(),
             "lr_scheduler": self.lr_schedulers.state_dict(),
             "progress": {"step": self.step, "policy_version": self.policy_version},
@@ -270,61 +295,46 @@ class Trainer(ForgeActor):
             set_scheduler_lr(scheduler, [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)])
 
     def _tensors(self, batch: list[Episode], ref_logprobs) -> dict[str, torch.Tensor]:
-        """Episodes -> right-padded [B, T] CPU tensors, lengths [B], and each token's age:
-        how many versions before the last pushed one it was sampled."""
-        if not batch:
-            raise ValueError("train_step: empty batch")
-        length = max(len(e.tokens) for e in batch)
-
-        def pad(rows, dtype):
-            return pad_right([torch.as_tensor(r, dtype=dtype) for r in rows], length)
-
-        t = {
-            "tokens": pad([e.tokens for e in batch], torch.long),
-            "lengths": torch.tensor([len(e.tokens) for e in batch]),
-            "mask": pad([e.loss_mask for e in batch], torch.float32),
-            "behaviour": pad([e.behaviour_logprobs for e in batch], torch.float32),
-            "ages": self.policy_version - pad([e.token_versions for e in batch], torch.long),
-        }
-        t["mask"][:, 0] = 0  # the first token has no prediction to train
-        if ref_logprobs is not None:
-            t["ref"] = pad(ref_logprobs, torch.float32)
-        return t
+        return batch_tensors(batch, ref_logprobs, self.policy_version)
 
     def _forward_loss(self, t: dict, plan: ForwardPlan, rows: list[int], episodes: list[int], weight: float, totals):
         """The loss of `episodes` from one forward of the `rows` that serve them (scoring.py); `piece` holds
         their [B, T] tensors from position 1, and the log-probs and entropies of their trained tokens."""
-        lp, entropy, width, anchor = self._score(t, plan, rows, episodes)
-        keys = ("mask", "behaviour", "ages", "ref", "advantages")
+        lp, entropy, width, anchor, values = self._score(t, plan, rows, episodes)
+        keys = ("mask", "behaviour", "ages", "ref", "advantages", "values", "returns", "value_mask")
         piece = {k: t[k][episodes, 1 : width + 1].to(self.device) for k in keys if k in t}
         piece["mask"] = piece["mask"] * weight
+        piece.update({} if values is None else {"predicted_values": values})
         loss, metrics = self.loss_fn(lp, piece, entropy, totals)
         return loss + anchor, {**metrics, "forward_tokens": len(rows) * width}  # padding included
 
     def _score(self, t: dict, plan: ForwardPlan, rows: list[int], episodes: list[int]):
         """One forward of `rows`, the output head only where a trained token of `episodes` is predicted.
         Returns their log-probs and entropies as [len(episodes), width] (column j: position j + 1, 0 where
-        nothing is trained), the width, and a zero that ties every parameter to the loss: a rank whose piece
-        trains nothing still runs the backward, whose collectives the other ranks of FSDP wait for."""
+        nothing is trained), the width, a zero that ties every parameter to the loss (a rank whose piece trains
+        nothing still runs the backward, whose collectives the other ranks of FSDP wait for), and the value
+        head's values there as the log-probs are (None without one)."""
         width = max([plan.needed[b] for b in episodes] + [1])
         slots, positions, index, which = scored_positions(plan, t["mask"], episodes, rows, width)
-        with autocast(self.device, self.dtype), scoring_head(self.model, index.to(self.device)):
+        with autocast(self.device, self.dtype), scoring_head(self.model, index.to(self.device)), head_values(self.model) as head:
             logits = self.model(t["tokens"][rows, :width].to(self.device))  # [len(index), V]
         targets = t["tokens"][episodes][slots, positions].to(self.device)
         lp_tokens, entropy_tokens = scored_logprobs(logits, which.to(self.device), targets, self.allowed_token_ids, self.temperature)
         lp = torch.zeros(len(episodes), width, device=self.device)
         entropy = torch.zeros(len(episodes), width, device=self.device)
         lp[slots, positions - 1], entropy[slots, positions - 1] = lp_tokens, entropy_tokens
-        return lp, entropy, width, 0.0 * logits.float().sum()
+        values = scored_values(head, which, slots, positions, (len(episodes), width))  # None without a value head
+        anchor = 0.0 * logits.float().sum() + (0.0 * values.sum() if values is not None else 0.0)
+        return lp, entropy, width, anchor, values
 
     def _scored_pieces(self, t: dict, mine: list[int]):
-        """(episodes, log-probs, entropies, width, weight) of each micro-batch of this rank's episodes, scored
+        """(episodes, log-probs, entropies, width, weight, values) of each micro-batch of this rank's episodes, scored
         as the loss scores them (every rank runs the same number of forwards); call under torch.no_grad."""
         plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
         for rows, weight in self._micro_batches(plan.rows):
             episodes = plan.served_by(rows, mine) if weight else []
-            lp, entropy, width, _ = self._score(t, plan, rows, episodes)
-            yield episodes, lp, entropy, width, weight
+            lp, entropy, width, _, values = self._score(t, plan, rows, episodes)
+            yield episodes, lp, entropy, width, weight, values
 
     @torch.no_grad()
     def _base_logprobs(self, t: dict, mine: list[int]) -> torch.Tensor:
@@ -332,7 +342,7 @@ class Trainer(ForgeActor):
         same one-row-per-path forwards as the loss (0 elsewhere): the KL reference under LoRA."""
         ref = torch.zeros_like(t["mask"])
         with lora.adapters_off(self.model):
-            for episodes, lp, _, width, _ in self._scored_pieces(t, mine):
+            for episodes, lp, _, width, _, _ in self._scored_pieces(t, mine):
                 ref[episodes, 1 : width + 1] = lp.float().cpu()
         return ref
 
@@ -341,7 +351,7 @@ class Trainer(ForgeActor):
         """The policy's mean next-token entropy over the batch's trained tokens (mask weights), every rank's
         rows together, under the current weights: a decision a loss makes once per step, on every rank alike."""
         total, tokens = 0.0, 0.0
-        for episodes, _, entropy, width, weight in self._scored_pieces(t, mine):
+        for episodes, _, entropy, width, weight, _ in self._scored_pieces(t, mine):
             mask = t["mask"][episodes, 1 : width + 1].to(self.device) * weight
             total, tokens = total + (entropy * mask).sum().item(), tokens + mask.sum().item()
         sums = self._all_sum({"entropy": total, "tokens": tokens})
@@ -357,7 +367,7 @@ class Trainer(ForgeActor):
         nll = 0.0
         for rows, weight in self._micro_batches(plan.rows):
             served = plan.served_by(rows, mine) if weight else []
-            lp, _, width, anchor = self._score(t, plan, rows, served)
+            lp, _, width, anchor, _ = self._score(t, plan, rows, served)
             piece_nll = -(lp * t["mask"][served, 1 : width + 1].to(self.device)).sum() * weight / denominator
             (coef * piece_nll + anchor).backward()
             nll += piece_nll.item()

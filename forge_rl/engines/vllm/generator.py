@@ -69,7 +69,7 @@ def engine_args(model_path: str, dtype: str, config: GeneratorConfig, seed: int 
         memory.update(enable_chunked_prefill=False, max_num_batched_tokens=max(config.max_model_len, 2048), block_size=CPU_BLOCK_SIZE)
     return AsyncEngineArgs(
         model=model_path, dtype=dtype, seed=seed, max_model_len=config.max_model_len, tensor_parallel_size=config.procs,
-        enforce_eager=not on_gpu, logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, **memory,
+        enforce_eager=not on_gpu if config.eager is None else config.eager, logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, **memory,
     )
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,8 +35,9 @@ import torch
 from safetensors import safe_open
 
 from forge_rl.compat import require
+from forge_rl.engines.vllm.lora_serving import ServedAdapters
 from forge_rl.weights import broadcast, shm
-from forge_rl.weights.layout import StaleWeightsError, WeightsHandle, fused_order, make_layout, tensor_views
+from forge_rl.weights.layout import StaleWeightsError, WeightsHandle, tensor_views
 
 # The loads below reach into vLLM's model runner, its layers' quant methods and CPU GEMM dispatch.
 require("vllm", "0.32.0", __name__)
@@ -56,7 +56,7 @@ class WeightSyncExtension:
         self.finish_loading()
         if adapter:
             with safe_open(path, framework="pt", device="cpu") as f:
-                return self._load(self._merged({name: f.get_tensor(name) for name in f.keys()}, adapter["scale"]))
+                return self._serve_adapters({name: f.get_tensor(name) for name in f.keys()}, adapter["scale"])
         loaded = 0
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
@@ -94,10 +94,9 @@ class WeightSyncExtension:
 
         if handle.adapter:
             try:
-                views = self._merged(views, handle.adapter["scale"])
+                return self._serve_adapters(views, handle.adapter["scale"])
             finally:
                 read_all()
-            return self._load(views)
         return self._load(views, read_all)
 
     def join_weights_group(self, rendezvous: str, port: int, first_rank: int, world: int, bind: str) -> int:
@@ -125,31 +124,15 @@ class WeightSyncExtension:
         if getattr(self, "weights_staged_version", None) != handle.version:
             raise StaleWeightsError(f"version {handle.version} was not received by broadcast")
         views = dict(tensor_views(self.weights_staging, handle.layout))
-        return self._load(self._merged(views, handle.adapter["scale"]) if handle.adapter else views)
+        return self._serve_adapters(views, handle.adapter["scale"]) if handle.adapter else self._load(views)
 
-    def _merged(self, adapters: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-        """LoRA: every weight of the model, base + scale * B @ A where `adapters` (HF-named lora_A and lora_B
-        tensors) has an adapter, else the base's, written into a buffer this worker keeps and laid out as
-        weight sync lays out a full version (`fused_order`), so that it loads as one. The base is the model
-        directory's weights, read once: only adapters travel from the trainer."""
-        if getattr(self, "lora_base", None) is None:
-            self.lora_base = {}
-            for file in sorted(Path(self.vllm_config.model_config.model).glob("*.safetensors")):
-                with safe_open(str(file), framework="pt", device="cpu") as f:
-                    self.lora_base.update({name: f.get_tensor(name) for name in f.keys()})
-            device = next(self.model_runner.get_model().parameters()).device
-            dtype = self.vllm_config.model_config.dtype
-            self.lora_base = fused_order({k: v.to(device, dtype) for k, v in self.lora_base.items()})
-            layout, nbytes = make_layout(self.lora_base)
-            self.lora_staging = (torch.empty(nbytes, dtype=torch.uint8, device=device), layout)
-        buffer, layout = self.lora_staging
-        views = dict(tensor_views(buffer, layout))
-        for name, view in views.items():
-            view.copy_(self.lora_base[name])
-            a, b = adapters.get(name.replace(".weight", ".lora_A.weight")), adapters.get(name.replace(".weight", ".lora_B.weight"))
-            if a is not None:
-                view.addmm_(b.to(view), a.to(view), alpha=scale)
-        return views
+    def _serve_adapters(self, adapters: dict[str, torch.Tensor], scale: float) -> int:
+        """LoRA: HF-named lora_A/lora_B tensors served unmerged beside the engine's base weights, which never
+        change (lora_serving.py); copied in, so the caller may release `adapters` when this returns."""
+        if getattr(self, "served_adapters", None) is None:
+            model = self.model_runner.get_model()
+            self.served_adapters = ServedAdapters(model, adapters, self.vllm_config.model_config.dtype)
+        return self.served_adapters.update(adapters, scale)
 
     def _load(self, views: dict[str, torch.Tensor], read_all=lambda: None) -> int:
         """Load HF-named `views` of a buffer into the engine; returns how many. `read_all()` runs once

@@ -80,7 +80,9 @@ class Learner:
         (a restarting one catches up by itself: engines/vllm/generator.py `catch_up`); returns how long each
         half took and the bytes that travelled."""
         clock = time.perf_counter()
-        nbytes = await call(self.trainer, "push_weights", version, timeout_s=self.cfg.trainer.timeout_s)
+        receivers = self.policy.healthy()  # a broadcast goes to these alone: the ones then told to load it
+        nbytes = await call(self.trainer, "push_weights", version, receivers, timeout_s=self.cfg.trainer.timeout_s)
         pushed = time.perf_counter()
-        await self.policy.fanout("update_weights", version)
-        return {"time/push_weights_s": pushed - clock, "time/update_weights_s": time.perf_counter() - pushed, "weight_sync/bytes": nbytes}
+        loaded = await self.policy.fanout("update_weights", version, to=receivers)
+        return {"time/push_weights_s": pushed - clock, "time/update_weights_s": time.perf_counter() - pushed,
+                "weight_sync/bytes": nbytes, "weight_sync/replicas": len(loaded)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -78,7 +79,8 @@ async def start(cfg: RunConfig, app: App, url: str) -> Job:
     scoring = {"allowed_token_ids": allowed, "temperature": cfg.sampling.temperature, "micro_batch_size": cfg.trainer.micro_batch_size}
     policy, trainer, buffer, reference = await start_all(
         Generator.replicas(cfg.generator, gpus, hosts=cfg.generator.hosts, role="generator").as_service(
-            model_path, cfg.model.dtype, cfg.generator, cfg.seed
+            # LoRA adapters are added to each layer's output in Python, which a CUDA-graph replay skips
+            model_path, cfg.model.dtype, dataclasses.replace(cfg.generator, eager=True) if cfg.trainer.lora else cfg.generator, cfg.seed
         ),
         Trainer.options(procs=cfg.trainer.procs, with_gpus=gpus, hosts=cfg.trainer.hosts, role="trainer").as_actor(
             model_path, GRPOLoss(cfg.grpo, cfg.sampling.max_tokens), cfg.trainer.optimizer, cfg.trainer.max_steps, cfg.model.dtype,
@@ -91,10 +93,16 @@ async def start(cfg: RunConfig, app: App, url: str) -> Job:
             num_replicas=cfg.reference.num_replicas, with_gpus=gpus, hosts=cfg.reference.hosts, role="reference"
         ).as_service(model_path, cfg.model.dtype, **scoring) if with_reference else _none(),
     )
-    if sync.kind == "broadcast":  # a replica restarted later is not in the group: its updates fail
+    # A restarted generator loads the current weights before taking calls; under broadcast it first forms
+    # a new group with the trainer, which sends them to it.
+    policy.after_restart = catch_up
+    if sync.kind == "broadcast":
         replicas = [r.actor for r in policy.replicas]
-        await broadcast.connect(trainer, replicas, cfg.generator.procs, sync.rendezvous, sync.binds, await sync.trainer_host.free_port())
-    policy.after_restart = catch_up  # a restarted generator loads the current weights before taking calls
+        ports = await broadcast.free_ports(sync.trainer_host, len(replicas))
+        await broadcast.connect(trainer, replicas, cfg.generator.procs, sync.rendezvous, sync.binds, ports)
+        policy.after_restart = functools.partial(
+            broadcast.rejoin, trainer=trainer, procs=cfg.generator.procs, rendezvous=sync.rendezvous, binds=sync.binds, trainer_host=sync.trainer_host
+        )
     rollouts = Rollouts(cfg, app, tokenizer, policy, url, allowed)
     return Job(
         cfg=cfg,

@@ -1,0 +1,120 @@
+"""The `grpo:` section: the algorithm's keys (estimator, loss terms, importance-sampling correction,
+self-imitation), beside the run's sections in schema.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from forge_rl.core.config.checks import ConfigError, check_non_negative, check_positive
+
+
+@dataclass
+class ISCorrectionConfig:
+    """Importance-sampling correction of the loss (core/loss.py `is_weights`; docs/off_policy.md)."""
+
+    level: Literal["off", "token", "seq", "geo"] = "off"
+    mode: Literal["mask", "clip", "trunc"] = "mask"
+    threshold: list = field(default_factory=lambda: [0.5, 2.0])  # [low, high] band of the ratio's gate
+
+    def check(self, key):
+        t = self.threshold
+        if not (
+            isinstance(t, list) and len(t) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in t)
+        ):
+            raise ConfigError(f"{key}.threshold: expected [low, high], two numbers, got {t!r}")
+        self.threshold = [float(x) for x in t]
+        if not 0 <= t[0] <= 1 <= t[1] or t[0] == t[1]:
+            raise ConfigError(f"{key}.threshold: expected 0 <= low <= 1 <= high and low < high, got {t}")
+        if self.level in ("seq", "geo") and self.mode != "mask":
+            raise ConfigError(
+                f"{key}: level {self.level} with mode {self.mode} makes no sense (a sequence's ratio is no "
+                "token's importance weight); use mode mask, or level token"
+            )
+
+
+@dataclass
+class SelfImitationConfig:
+    """Self-imitation (Oh et al. 2018; forge_rl/recipes/grpo/self_imitation.py): each group's best episode, when it beats
+    the group's mean, joins a pool, and every train step also maximises the likelihood of `episodes` of them."""
+
+    episodes: int = 0  # pool episodes replayed per train step; 0: off
+    coef: float = 1.0  # weight of their mean token NLL beside the GRPO loss
+    capacity: int = 4096  # the most recent best episodes kept
+
+    def check(self, key):
+        check_non_negative(self, key, "episodes", "coef")
+        check_positive(self, key, "capacity")
+
+
+@dataclass
+class GRPOConfig:
+    group_size: int = 4  # games per group, dealt from the same seed
+    batch_size: int = 64  # groups per train step
+    max_policy_age: int = 1  # drop data sampled more than this many versions ago
+    # The advantage estimator (core/estimators/): grpo (group mean and std), dr_grpo (group mean), rloo
+    # (leave-one-out mean), reinforce_pp (group mean, the batch's std), ppo (a value head's baseline per turn, GAE)
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"] = "dr_grpo"
+    # dr_grpo only: divide by the group's mean absolute reward (for rewards >= 0 its mean): the gradient of
+    # log pass rate; each group that found a pass weighs as one labelled example (estimators/dr_grpo.py)
+    normalize_mean: bool = False
+    clip_low: float = 0.2  # PPO clip, ratio >= 1 - clip_low
+    clip_high: float = 0.28  # DAPO clip-higher, ratio <= 1 + clip_high
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's ratio and clip per sequence (core/loss.py)
+    # No bonus, as in GRPO (Shao et al. 2024) and DAPO (Yu et al. 2025): over a pretrained model's whole vocabulary
+    # a bonus pushes free text toward noise; an app whose few answers must stay sampled sets its own
+    entropy_coef: float = 0.0
+    # The bonus acts only while the mean entropy per trained token is below this floor (None: always).
+    entropy_floor: Optional[float] = None
+    filter_zero_spread: bool = False  # DAPO dynamic sampling: skip groups whose rewards are all equal
+    # Weight of each answer's own credit beside its game's: the games of a group that reached the same
+    # conversation compared from there (GiGPO's step-level advantage; estimators/turn_credit.py). 0: off
+    turn_credit: float = 0.0
+    # A change of objective, not variance reduction: each one-token answer's batch-mean advantage subtracted
+    # (estimators/centring.py). Needs sampling.constrained; no result of the project's rests on it
+    centre_per_answer: bool = False
+    max_token_age: Optional[int] = None  # drop from the loss tokens sampled more than this many versions ago
+    # DAPO's overlong handling (Yu et al. 2025) for answers cut at sampling.max_tokens: keep their episodes out of
+    # the loss (they still count in their group's baseline); and/or a soft penalty, 0 to -1 over an answer's
+    # last `overlong_buffer` tokens before max_tokens, added to the reward (0: off)
+    overlong_filter: bool = False
+    overlong_buffer: int = 0
+    # ppo only (estimators/ppo.py). gamma = lambda = 1: the advantage is the return minus the head's value, the
+    # policy gradient whatever the head knows (TRL's PPO: lambda 0.95, which bootstraps from the head)
+    gamma: float = 1.0
+    gae_lambda: float = 1.0
+    # The value loss 0.5 (V - return)^2 per turn beside the policy loss, through the shared trunk (Schulman et
+    # al. 2017, eq. 9; 0.1 as TRL's value-head PPO); value_clip: V kept within clip_low of its step-start value
+    value_coef: float = 0.1
+    value_clip: bool = False
+    is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
+    self_imitation: SelfImitationConfig = field(default_factory=SelfImitationConfig)
+
+    RETIRED_KEYS = {"normalize_std": "replaced by grpo.estimator: grpo divides by the group's std, dr_grpo does not"}
+
+    def check(self, key):
+        if self.group_size < 2 and self.estimator != "ppo":
+            raise ConfigError(f"{key}.group_size: expected >= 2 (advantages compare a group; ppo needs none), got {self.group_size}")
+        check_positive(self, key, "batch_size", "group_size")
+        for name in ("gamma", "gae_lambda"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"{key}.{name}: expected 0 <= {name} <= 1, got {getattr(self, name)}")
+        if self.estimator == "ppo" and self.value_coef <= 0:
+            raise ConfigError(f"{key}.value_coef: expected > 0 with estimator ppo (it trains the value head), got {self.value_coef}")
+        for name in ("turn_credit", "centre_per_answer"):
+            if self.estimator == "ppo" and getattr(self, name):
+                raise ConfigError(f"{key}.{name}: compares a group's rewards; ppo's baseline is the value head's per turn: set it 0/false")
+        check_non_negative(self, key, "max_policy_age", "clip_low", "clip_high", "kl_coef", "entropy_coef", "turn_credit", "overlong_buffer", "value_coef")
+        if self.normalize_mean and self.estimator != "dr_grpo":
+            raise ConfigError(f"{key}.normalize_mean: a scale of dr_grpo's advantages, but estimator is {self.estimator}: set estimator dr_grpo")
+        if self.clip_low >= 1:
+            raise ConfigError(f"{key}.clip_low: expected < 1 (the ratio is clipped below at 1 - clip_low), got {self.clip_low}")
+        if self.max_token_age is not None:
+            check_non_negative(self, key, "max_token_age")
+        if self.entropy_floor is not None and self.entropy_floor <= 0:
+            raise ConfigError(f"{key}.entropy_floor: expected > 0 nats, or null for a bonus that always acts, got {self.entropy_floor}")
+        if self.entropy_floor is not None and self.entropy_coef == 0:
+            raise ConfigError(f"{key}.entropy_floor: {self.entropy_floor} holds the entropy up with the bonus, but entropy_coef is 0: set entropy_coef > 0")
