@@ -10,6 +10,8 @@ rollout.cutoff_reward, eval_metrics receives the reference policies' mean reward
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import os
 import re
 import shlex
@@ -45,7 +47,7 @@ def guide_files() -> dict[str, str]:
 def guide_commands(tool: str) -> list[list[str]]:
     """The page's `... -m <tool> ...` command lines, as argument lists from `-m` on."""
     shell = "\n".join(re.findall(r"^```sh\n(.*?)^```", GUIDE, re.S | re.M))
-    lines = [line for line in shell.splitlines() if f"-m {tool} " in line]
+    lines = [line for line in shell.splitlines() if re.search(rf"-m {re.escape(tool)}(\s|$)", line)]
     return [shlex.split(line[line.index("-m ") :].split("  #")[0]) for line in lines]
 
 
@@ -53,8 +55,9 @@ def guide_commands(tool: str) -> list[list[str]]:
 def my_envs(tmp_path_factory) -> Path:
     """~/my_envs as the page leaves it: the package, its empty __init__.py, the config."""
     folder = tmp_path_factory.mktemp("my_envs")
-    (folder / "guess_number").mkdir()
-    (folder / "guess_number" / "__init__.py").touch()
+    for package in ("guess_number", "sums"):
+        (folder / package).mkdir()
+        (folder / package / "__init__.py").touch()
     for name, text in guide_files().items():
         if not name.startswith("my_overlay/") and name != "Dockerfile":
             (folder / name).write_text(text)
@@ -70,8 +73,9 @@ def test_the_page_writes_every_file_it_uses():
     assert set(guide_files()) == {
         "guess_number/env.py", "guess_number/tasks.py", "guess_number/task.py", "guess_number.yaml", "Dockerfile",
         "my_overlay/guess-number.yaml", "my_overlay/kustomization.yaml",
+        "sums/make_data.py", "sums/task.py", "sums.yaml",
     }
-    assert ENV_CLASS in GUIDE and "touch guess_number/__init__.py" in GUIDE
+    assert ENV_CLASS in GUIDE and "touch guess_number/__init__.py" in GUIDE and "touch sums/__init__.py" in GUIDE
 
 
 def test_the_word_check_prints_what_the_page_shows(my_envs):
@@ -145,19 +149,27 @@ def test_the_pages_task_splits_are_served_sized_and_played(my_envs):
     assert Rollouts.task_reset_args(SimpleNamespace(cfg=cfg(), num_tasks={}), 7) is None  # no split: seeds alone
 
 
-def test_the_pages_check_command_passes(my_envs):
-    """The page's first command: the config, the app module and the environment class are checked."""
+CONFIGS = ["guess_number.yaml", "sums.yaml"]  # the page's, in its order
+
+
+def test_the_pages_check_commands_pass(my_envs):
+    """The page's check commands (the tiny model's; SmolLM2's on the dataset, once make_data wrote it): the
+    config, the app module and the environment class or the dataset are checked."""
     check, train = guide_commands("forge_rl.config"), guide_commands("forge_rl.grpo")
-    assert check == [["-m", "forge_rl.config", "--config", "guess_number.yaml"]] and train == [["-m", "forge_rl.grpo", "--config", "guess_number.yaml"]]
-    out = subprocess.run([sys.executable, *check[0]], cwd=my_envs, env=environment(my_envs), capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "guess_number.task" in out.stdout, out.stderr[-2000:]
+    assert check == [["-m", "forge_rl.config", "--config", c] for c in CONFIGS] and train == [["-m", "forge_rl.grpo", "--config", c] for c in CONFIGS]
+    (make_data,) = guide_commands("sums.make_data")
+    subprocess.run([sys.executable, *make_data], cwd=my_envs, env=environment(my_envs), check=True, timeout=60)
+    for command, module in zip(check, ("guess_number.task", "sums.task")):
+        out = subprocess.run([sys.executable, *command], cwd=my_envs, env=environment(my_envs), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and module in out.stdout, out.stderr[-2000:]
+        assert "warning" not in out.stderr, out.stderr  # every model-dependent key stated
 
 
 @pytest.mark.slow  # a whole run (1.5 minutes here, more in CI; the suite keeps under 20): make test-slow runs it
 def test_the_pages_run_trains_a_few_steps_on_the_tiny_model(my_envs, tmp_path):
     """The page's second command, the run shortened to 3 steps with an evaluation at its end, 2 guesses a game
     and cut-off games scored -3 (the page's -1 would equal a loss and prove nothing), W&B logging offline."""
-    (train,) = guide_commands("forge_rl.grpo")
+    train = guide_commands("forge_rl.grpo")[0]
     run_dir = tmp_path / "run"
     short = [f"run_dir={run_dir}", "trainer.max_steps=3", "grpo.batch_size=4", "eval.interval=3", "eval.num_games=32",
              "rollout.max_turns=2", "rollout.cutoff_reward=-3", "logging.wandb_project=guide"]
@@ -177,6 +189,66 @@ def test_the_pages_run_trains_a_few_steps_on_the_tiny_model(my_envs, tmp_path):
     logged = record.read_bytes()
     # keys of the config that neither the command line nor the file names: only the resolved config holds them
     assert b"invalid_action_penalty" in logged and b"micro_batch_size" in logged, "the resolved config is logged with the run"
+
+
+@pytest.mark.slow  # SmolLM2 on CPU: about 5 minutes here
+def test_the_pages_smollm2_run_on_the_dataset_trains_a_few_steps_in_free_text(my_envs, tmp_path):
+    """Section 5's run, shortened to 2 steps: the dataset server launched by the run, free-text answers whose
+    action is the last number they name, the held-out accuracy at step 0 and at the end."""
+    (make_data,) = guide_commands("sums.make_data")
+    subprocess.run([sys.executable, *make_data], cwd=my_envs, env=environment(my_envs), check=True, timeout=60)
+    train = guide_commands("forge_rl.grpo")[1]
+    run_dir = tmp_path / "run"
+    short = [f"run_dir={run_dir}", "trainer.max_steps=2", "eval.interval=2", "eval.num_games=8", "logging.samples_every=1"]
+    out = subprocess.run([sys.executable, *train, *short], cwd=my_envs, env=environment(my_envs), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]
+    assert [r["step"] for r in rows if "eval/reward" in r] == [0, 2]
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    turns = [t for s in samples for t in s["turns"]]
+    assert {s["step"] for s in samples} >= {0, 1, 2} and all(len(s["turns"]) == 1 for s in samples)
+    assert all(t["action"] is None or t["action"]["answer"] == re.findall(r"-?\d+", t["answer"])[-1] for t in turns)
+
+
+def test_the_pages_dataset_is_served_with_its_reward_and_its_config_is_the_shipped_ones(my_envs):
+    """Section 6: the dataset server launched as a run launches it serves the page's sums.jsonl (written by
+    its make_data) with its `split` field, the observation is the prompt alone, a step is scored by the page's
+    reward; the page's sums.yaml sets nothing that configs/sums_smollm2_cpu.yaml (the measured run) sets otherwise."""
+    from forge_rl.core.config import load_config
+    from forge_rl.envs.rows import server_variables
+    from forge_rl.rollout.sessions import task_split_sizes
+
+    (make_data,) = guide_commands("sums.make_data")
+    subprocess.run([sys.executable, *make_data], cwd=my_envs, env=environment(my_envs), check=True, timeout=60)
+    page = load_config(my_envs / "sums.yaml", [])
+    variables = server_variables(str(my_envs / page.env.dataset), page.app_module, page.env.test_fraction)
+
+    async def play(url: str, answer: str) -> tuple[dict, dict]:
+        async with EnvSession(url, timeout_s=30) as session:
+            first = (await session.reset(seed=0, split="test", index=0)).observation
+            return first, (await session.step({"answer": answer})).observation
+
+    with launch_local(page.env.server, env={**variables, "PYTHONPATH": environment(my_envs)["PYTHONPATH"]}) as server:
+        assert task_split_sizes(server.url, page) == {"train": 70, "test": 30}
+        first, _ = asyncio.run(play(server.url, "0"))
+        a, b = map(int, re.findall(r"\d+", first["prompt"]))
+        _, right = asyncio.run(play(server.url, str(a + b)))
+        _, wrong = asyncio.run(play(server.url, str(a + b + 1)))
+    assert set(first) == {"prompt", "done", "reward", "metadata"} and not first["done"]
+    assert (right["reward"], wrong["reward"], right["done"]) == (1.0, 0.0, True)
+
+    given = yaml.safe_load((my_envs / "sums.yaml").read_text())
+    shipped = load_config(ROOT / "configs" / "sums_smollm2_cpu.yaml", [])
+
+    def leaves(tree, prefix=""):
+        for key, value in tree.items():
+            yield from leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else [(prefix + key, value)]
+
+    for key, value in leaves(given):
+        if key not in ("run_dir", "app_module", "env.dataset"):
+            section, *rest = key.split(".")
+            assert functools.reduce(getattr, rest, getattr(shipped, section)) == value, key
 
 
 def test_the_overlay_renders_over_the_base_and_validates(tmp_path):

@@ -5,7 +5,9 @@ action, and the end of an episode into a reward. It takes one of two forms:
 
     TaskApp   render_prompt(observation) -> str
               parse_action(text, observation) -> action dict | None (None: invalid answer, the episode ends)
-              reward(observation, invalid, invalid_penalty) -> float, called once, on the last observation
+              reward(observation, invalid, invalid_penalty) -> float, called once, on the last observation;
+              with env.dataset, reward(prompt_row, answer) -> float, called by the dataset server on the row
+              and the action's answer (envs/dataset.py), the episode's one turn
               ACTIONS (one token each) or ANSWER_VOCABULARY (answers of several tokens): the words
               constrained decoding may sample (sampling.constrained)
     AgentApp  async run_agent(ctx) -> float | None: an agent written against a chat API (rollout/agents.py)
@@ -22,6 +24,7 @@ find words the tiny model does not know (recipes/grpo/check.py).
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -65,9 +68,11 @@ class App:
         return self.run_agent is not None
 
 
-def load_app(name: str, constrained: bool = False) -> App:
+def load_app(name: str, constrained: bool = False, dataset: bool = False) -> App:
     """Import the config's app_module and check it has what the run will call; a one-line ConfigError
-    naming the module and everything it lacks otherwise."""
+    naming the module and everything it lacks otherwise. `dataset` (env.dataset): its reward(prompt_row,
+    answer) is the dataset server's to call (envs/dataset.py), and the run scores the server's reward as
+    terminal_reward does."""
     try:
         module = importlib.import_module(name)
     except ImportError as e:
@@ -81,6 +86,9 @@ def load_app(name: str, constrained: bool = False) -> App:
         missing.append("ACTIONS or ANSWER_VOCABULARY (sampling.constrained)")
     if missing:
         raise ConfigError(f"app_module {name!r} lacks {', '.join(missing)}")
+    if dataset and not agent and not _takes_two(module.reward):
+        raise ConfigError(f"app_module {name!r}: with env.dataset, reward(prompt_row, answer) scores an answer; its reward "
+                          f"takes {inspect.signature(module.reward)}")
     policies = getattr(module, "REFERENCE_POLICIES", {})
     if policies and not (callable(getattr(module, "parse_action", None)) and callable(getattr(module, "reward", None))):
         raise ConfigError(f"app_module {name!r}: REFERENCE_POLICIES are played with its parse_action and reward, which it lacks")
@@ -88,7 +96,7 @@ def load_app(name: str, constrained: bool = False) -> App:
         name=name,
         render_prompt=getattr(module, "render_prompt", None),
         parse_action=getattr(module, "parse_action", None),
-        reward=getattr(module, "reward", None),
+        reward=terminal_reward if dataset and not agent else getattr(module, "reward", None),
         run_agent=getattr(module, "run_agent", None),
         answers=answers,
         multi_token_answers=bool(vocabulary),
@@ -97,6 +105,14 @@ def load_app(name: str, constrained: bool = False) -> App:
         system_prompt=getattr(module, "SYSTEM_PROMPT", None),
         sample_observation=getattr(module, "SAMPLE_OBSERVATION", None),
     )
+
+
+def _takes_two(function: Callable) -> bool:
+    try:
+        inspect.signature(function).bind(None, None)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 # Helpers apps share (plain functions; an app may use them or not).

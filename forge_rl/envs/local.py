@@ -122,12 +122,13 @@ def launch_local(
 
 
 def env_url(url: str | None = None, server: str | None = None, max_concurrent: int | None = None,
-            python: str | None = None) -> tuple[str, LocalServer | None]:
-    """A config's env section -> (URL to connect to, the server launched for it or None)."""
+            python: str | None = None, env: dict[str, str] | None = None) -> tuple[str, LocalServer | None]:
+    """A config's env section -> (URL to connect to, the server launched for it, with `env` added to its
+    environment variables, or None)."""
     if (url is None) == (server is None):
         raise ValueError("env: set exactly one of url (a running server) or server (module:Class)")
     if url is not None:
         return url, None
     # generous: on a loaded machine importing openenv alone takes tens of seconds
-    local = launch_local(server, max_concurrent_envs=max_concurrent, timeout_s=180, python=python)
+    local = launch_local(server, max_concurrent_envs=max_concurrent, env=env, timeout_s=180, python=python)
     return local.url, local

@@ -38,8 +38,13 @@ class EnvConfig:
     queue_sessions: bool = True  # a server with fewer sessions than a group's games: queue them (false: stop)
     capacity_wait_s: float = 600.0  # a full server (CAPACITY_REACHED) is asked again for this long
     server_python: Optional[str] = None  # env.server's interpreter; None: .venv-env/bin/python beside the training venv
+    dataset: Optional[str] = None  # a JSONL file or HF datasets directory of prompts, served by envs/dataset.py
+    test_fraction: float = 0.0  # with env.dataset whose rows name no split: this share held out as split "test"
+    DATASET_SERVER: ClassVar[str] = "forge_rl.envs.dataset:DatasetEnvironment"  # what env.dataset launches
 
     def check(self, key):
+        if self.dataset is not None and self.url is None and self.server is None:
+            self.server = self.DATASET_SERVER  # launched on loopback like any env.server; check.py reads the dataset
         if (self.url is None) == (self.server is None):
             raise ConfigError(f"{key}: set exactly one of env.url or env.server")
         check_positive(self, key, "max_concurrent", "timeout_s", "capacity_wait_s")

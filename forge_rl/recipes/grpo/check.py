@@ -1,5 +1,5 @@
 """What a run checks before it starts anything, and all that `python -m forge_rl.config` checks: the names in
-the config resolve (app_module, env.server, env.url, model.path), the tiny model knows the app's words,
+the config resolve (app_module, env.server, env.url, env.dataset and its splits, model.path), the tiny model knows the app's words,
 Weights & Biases can log, and this host has the GPUs a local run places on it. Nothing is started,
 downloaded or converted. Each failure is a ConfigError: one line naming the key.
 
@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from forge_rl.core.app import App, load_app
 from forge_rl.core.config import ConfigError, RunConfig
 from forge_rl.core.errors import first_line
-from forge_rl.envs import local
+from forge_rl.envs import local, rows
 from forge_rl.models import model_kind
 from forge_rl.rollout.play import answer_token_ids, unknown_words
 
@@ -27,8 +27,9 @@ from forge_rl.rollout.play import answer_token_ids, unknown_words
 def check_run(cfg: RunConfig, this_host: bool = True) -> App:
     """Every check, in the order a run would meet the problem; the checked app for the run to use.
     `this_host=False` leaves out what depends on the host it runs on (its GPUs, W&B's key)."""
-    app = load_app(cfg.app_module, cfg.sampling.constrained)
+    app = load_app(cfg.app_module, cfg.sampling.constrained, dataset=cfg.env.dataset is not None)
     check_env(cfg.env.server, cfg.env.url, cfg.env.server_python)
+    check_dataset(cfg)
     check_model(cfg, app)
     if this_host:
         check_wandb(cfg.logging.wandb_project)
@@ -94,6 +95,26 @@ def check_env(server: str | None, url: str | None, server_python: str | None = N
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
             raise ConfigError(f"env.url: {url!r} is not a URL such as http://blackjack:8000")
+
+
+def check_dataset(cfg: RunConfig) -> None:
+    """env.dataset is read as its server will read it (envs/rows.py): the file is there, every row has a text
+    prompt, and env.task_split and eval.task_split are among its splits."""
+    env = cfg.env
+    if env.dataset is None:
+        if env.test_fraction:
+            raise ConfigError("env.test_fraction: holds out rows of env.dataset, which is not set")
+        return
+    if env.server not in (None, env.DATASET_SERVER):
+        raise ConfigError(f"env.server: env.dataset is served by {env.DATASET_SERVER}; leave env.server out")
+    try:
+        splits = rows.load_splits(env.dataset, env.test_fraction)
+    except rows.DatasetError as e:
+        key = "env.test_fraction" if "test_fraction" in str(e) else "env.dataset"
+        raise ConfigError(f"{key}: {first_line(e)}") from None
+    for key, split in (("env.task_split", env.task_split), ("eval.task_split", cfg.eval.task_split)):
+        if split is not None and split not in splits:
+            raise ConfigError(f"{key}: {split!r} is not a split of {env.dataset} (it has: {', '.join(splits)})")
 
 
 def check_model(cfg: RunConfig, app: App) -> None:

@@ -30,6 +30,7 @@ from forge_rl.engines.titan.reference import ReferenceModel
 from forge_rl.engines.titan.trainer import Trainer
 from forge_rl.engines.vllm.generator import Generator, catch_up
 from forge_rl.envs.local import env_url
+from forge_rl.envs.rows import server_variables
 from forge_rl.models import resolve_model
 from forge_rl.recipes.grpo import faults
 from forge_rl.recipes.grpo.check import check_run
@@ -154,7 +155,8 @@ async def main(cfg: RunConfig) -> None:
     dump(cfg, run_dir / "config.yaml")  # the resolved config, to reproduce the run
     print(f"logs of every process (vLLM, Monarch): {run_dir / 'run.log'}")
     try:
-        url, local_server = env_url(cfg.env.url, cfg.env.server, cfg.env.max_concurrent, cfg.env.server_python)
+        dataset = server_variables(cfg.env.dataset, cfg.app_module, cfg.env.test_fraction) if cfg.env.dataset else None
+        url, local_server = env_url(cfg.env.url, cfg.env.server, cfg.env.max_concurrent, cfg.env.server_python, dataset)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
     job = None
