@@ -10,6 +10,7 @@ import pytest
 
 from forge_rl.rollout.env_client import EnvCapacityError, EnvError, EnvSession
 from forge_rl.envs.local import launch_local
+from tests.test_blackjack_game import play as play_hands
 
 MAX_SESSIONS = 4
 STAND_HANDS = 6000  # EV standard error ~0.012: always stand -0.183 vs mimic the dealer -0.080 is 8 sigma apart
@@ -128,25 +129,13 @@ def test_returns_match_openspiel_and_the_reference_ev(server, name, ev):
     """Per-hand returns equal OpenSpiel's own game under the dealing spec; the mean is the reference EV."""
     hits_below = {"always_stand": 0, "mimic_dealer": 17}[name]  # both decide on the total alone
 
-    async def play_many(seeds):
-        async with EnvSession(server.url) as session:
-            out = []
-            for seed in seeds:
-                obs = (await session.reset(seed=seed)).observation
-                while not obs["done"]:
-                    action = "HIT" if obs["player_total"] < hits_below else "STAND"
-                    obs = (await session.step({"action": action})).observation
-                out.append(obs["reward"])
-            return out
+    def policy(observation):
+        return "HIT" if observation["player_total"] < hits_below else "STAND"
 
-    async def all_hands():
-        chunks = [range(i, STAND_HANDS, MAX_SESSIONS) for i in range(MAX_SESSIONS)]
-        return dict(zip([s for c in chunks for s in c], sum(await asyncio.gather(*map(play_many, chunks)), [])))
-
-    returns = run(all_hands())
+    returns = [final["reward"] for final in play_hands(server, range(STAND_HANDS), policy)]
     for seed in range(0, STAND_HANDS, 97):
         assert returns[seed] == openspiel_return(seed, hits_below), seed
-    mean = sum(returns.values()) / STAND_HANDS
+    mean = sum(returns) / STAND_HANDS
     assert abs(mean - ev) < 0.04, mean  # 3.3 standard errors; always stand and mimic are 0.1 apart
 
 
