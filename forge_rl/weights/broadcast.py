@@ -5,9 +5,9 @@ version's WeightsHandle (the layout) goes to TorchStore.
 
 A group per replica, not one for all: a collective waits for every member, so in one group a single lost
 replica failed (gloo) or stalled (NCCL, a silent host) every update. Here a send that fails drops that
-replica's group alone; the controller sends each version to the replicas it will tell to load it
-(`receivers`), restarts a replica it could not reach, and a restarted replica rejoins with a group of its
-own and is sent the current version before it takes calls (`rejoin`).
+replica's group alone (that replica's own load fails too, and the service restarts it); the controller
+sends each version to the replicas it will tell to load it (`receivers`), and a restarted replica rejoins
+with a group of its own and is sent the current version before it takes calls (`rejoin`).
 """
 
 from __future__ import annotations
