@@ -38,5 +38,5 @@ def synth_task(seed: int, family: int = 1) -> SimpleNamespace:
 @functools.lru_cache
 def humaneval_task(split: str, index: int) -> SimpleNamespace:
     """apps.coder.env.humaneval_tasks()[split][index], hidden tests included."""
-    return SimpleNamespace(**in_server_venv("from apps.coder.env import humaneval_tasks",
+    return SimpleNamespace(**in_server_venv("from apps.coder.task_sets import humaneval_tasks",
                                             f"dataclasses.asdict(humaneval_tasks()[{split!r}][{index}])"))

@@ -1,7 +1,7 @@
 """The code app with real Monarch actors, vLLM, TorchStore and a code-task server on loopback.
 
 1. `python -m forge_rl.grpo --config configs/coder_tiny_cpu.yaml` for two steps: rewards flow from the
-   server's grading into training, the evaluation reports pass_all / pass_rate, the synthesizer beside it.
+   server's grading into training, the evaluation reports pass_at_1 / pass_rate, the synthesizer beside it.
 2. configs/coder_qwen3_1_7b.yaml (HumanEval, 3 turns) with the tiny model in this process: its random
    answers are run, then submitted, so episodes have several turns; each episode's ids are exactly what
    the policy sampled plus each observation tokenized alone, and two train steps run on them.
@@ -39,10 +39,10 @@ def test_tiny_config_trains_on_graded_submissions(tmp_path):
     assert references["eval/reference/synthesizer"] == 1.0, "three examples determine a family-1 program"
     assert [r["step"] for r in rows] == [1, 2]
     last = rows[-1]
-    assert 0 <= last["eval/pass_all"] <= last["eval/pass_rate"] <= 1 and last["eval/tasks"] == 8
+    assert 0 <= last["eval/pass_at_1"] <= last["eval/pass_rate"] <= 1 and last["eval/tasks"] == 8
     assert last["train/invalid_rate"] == 0 and math.isfinite(last["train/loss"]) and math.isfinite(last["train/kl"])
     assert "train/imitation_pool" in last  # the committed config replays its passes (grpo.self_imitation)
-    assert "step 2 pass_all=" in out and "synthesizer=1.000" in out, out[-3000:]
+    assert "step 2 pass_at_1=" in out and "synthesizer=1.000" in out, out[-3000:]
     assert (run_dir / "learning_curve.png").stat().st_size > 1000
     # vLLM's and Monarch's lines go to the run's log, not the console
     log = (run_dir / "run.log").read_text()
@@ -58,7 +58,7 @@ def test_humaneval_config_multi_turn_episodes_on_the_tiny_model(tmp_path):
         "grpo.batch_size=1", "rollout.num_workers=1", "trainer.micro_batch_size=4", "env.max_concurrent=8",
     ]  # fmt: skip
     cfg = load_config(ROOT / "configs/coder_qwen3_1_7b.yaml", overrides)
-    assert cfg.env.reset_args["max_turns"] == 3 and cfg.grpo.filter_zero_spread and cfg.eval.reset_args == {"split": "eval"}
+    assert cfg.env.reset_args["max_turns"] == 3 and cfg.grpo.filter_zero_spread and cfg.env.task_split == "humaneval_train" and cfg.eval.task_split == "humaneval_eval"
     asyncio.run(_multi_turn(cfg))
 
 

@@ -62,4 +62,4 @@ def test_synthesizer_and_eval_metrics():
     obs = observation(3)
     assert task.synthesizer(obs) == "x+7" and task.synthesize(synth_task(3, 2).examples, 2) is not None
     results = [GameResult([], 1.0, False), GameResult([], 0.5, False), GameResult([], -1.0, True)]
-    assert task.eval_metrics(results, {}) == {"eval/pass_all": 1 / 3, "eval/pass_rate": 0.5, "eval/invalid_rate": 1 / 3, "eval/tasks": 3}
+    assert task.eval_metrics(results, {}) == {"eval/pass_at_1": 1 / 3, "eval/pass_rate": 0.5, "eval/invalid_rate": 1 / 3, "eval/tasks": 3}

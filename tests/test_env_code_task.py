@@ -71,7 +71,7 @@ def test_the_same_seed_gives_the_same_task(server):
     assert first["task_id"] == "synth1/7" and len(first["examples"]) == 3 and first["max_turns"] == 1
     if not serves_humaneval(server):
         return
-    humaneval = episode(server, {"seed": 3, "task_set": "humaneval", "split": "eval"})[0]
+    humaneval = episode(server, {"seed": 0, "split": "humaneval_eval", "index": 3})[0]
     assert humaneval["task_id"] == humaneval_task("eval", 3).task_id and "def " in humaneval["statement"]
 
 

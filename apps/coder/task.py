@@ -1,10 +1,11 @@
 """Code tasks as a training app (env.py): what the policy reads, how its answer
 becomes an action, what it earns, and how an evaluation is summarised.
 
-Two task sets, one module: `synth` (f(x) from three examples; the answer is an expression in x, always
-submitted) and `humaneval` (a function from its docstring; with `max_turns` > 1 the policy may first
-run code in a ```run block and read the output, and submits a ```python block; whatever it answers on
-its last turn is the submission). Observations are the dicts the client returns; nothing here imports the server.
+Three task sets, one module: `synth` (f(x) from three examples; the answer is an expression in x, always
+submitted), `functions` (a function described in plain English) and `humaneval` (a function from its
+docstring). For the last two, with `max_turns` > 1 the policy may first run code in a ```run block and read
+the output, and submits a ```python block; whatever it answers on its last turn is the submission.
+Observations are the dicts the client returns; nothing here imports the server.
 
 Constrained decoding (sampling.constrained, synth only): the policy samples up to sampling.max_tokens
 tokens of ANSWER_VOCABULARY, so "x*7" is three tokens; a uniformly random three-token answer passes
@@ -37,6 +38,8 @@ def render_prompt(observation: Any) -> str:
         how = "Answer with the complete function in one ```python block: that is your submission, graded on hidden tests."
         if turns_left > 1:
             how += f" Before submitting you may run code (a ```run block) and read its output; you have {turns_left} turns."
+        if obs["task_set"] == "functions":
+            return f"{obs['statement']} {how}"
         return f"Complete this Python function.\n\n```python\n{obs['statement']}```\n\n{how}"
     status = "timed out" if obs.get("timed_out") else f"exit code {obs.get('exit_code')}"
     last = " This is your last turn: submit a ```python block." if turns_left == 1 else f" {turns_left} turns left."
@@ -64,15 +67,20 @@ def reward(observation: Any, invalid: bool, invalid_penalty: float) -> float:
     return terminal_reward(observation, invalid, invalid_penalty)
 
 
+UNGRADABLE = ("syntax_error", "no_function")  # the server's verdicts on a submission that is not a function to test
+
+
 def eval_metrics(results: list, references: dict[str, float]) -> dict[str, float]:
-    """eval/pass_all: share of tasks whose submission passed every hidden test; eval/pass_rate: mean
-    fraction of tests passed. `results`: the evaluation's games (reward, invalid)."""
+    """eval/pass_at_1: share of tasks whose (greedy) submission passed every hidden test; eval/pass_rate: mean
+    fraction of tests passed; eval/invalid_rate: answers with no code, code that does not parse, or code that
+    defines no function of the asked name. `results`: the evaluation's games (reward, invalid, observation)."""
     n = max(len(results), 1)
     passed = [0.0 if r.invalid else max(r.reward, 0.0) for r in results]
+    ungradable = [r.invalid or (r.observation or {}).get("verdict") in UNGRADABLE for r in results]
     return {
-        "eval/pass_all": sum(p == 1.0 for p in passed) / n,
+        "eval/pass_at_1": sum(p == 1.0 for p in passed) / n,
         "eval/pass_rate": sum(passed) / n,
-        "eval/invalid_rate": sum(r.invalid for r in results) / n,
+        "eval/invalid_rate": sum(ungradable) / n,
         "eval/tasks": len(results),
     }
 

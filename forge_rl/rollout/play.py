@@ -30,6 +30,7 @@ class GameResult:
     aborted: bool = False  # the environment session was lost and could not be restored
     # (prompt ids of the turn, the answer's text, the action parse_action made of it) per turn: samples.jsonl
     turns: list[tuple[list[int], str, dict | None]] = field(default_factory=list)
+    observation: dict | None = None  # the last one the environment sent: what an app's eval_metrics may read
 
 
 _PROMPTS_WITH_UNKNOWN_WORDS: list[str] = []  # the first one found is reported, once per run
@@ -157,4 +158,4 @@ async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict |
     else:  # cut off at rollout.max_turns: never scored better than losing (schema.py, rollout.cutoff_reward)
         reward = cfg.rollout.cutoff_score
     episodes = [record.to_episode(reward, group_id)] if record.completion_versions else []
-    return GameResult(episodes, reward, invalid, turns=turns)
+    return GameResult(episodes, reward, invalid, turns=turns, observation=observation)
