@@ -58,7 +58,7 @@ class SamplingConfig:
     max_tokens: int = 256  # per turn: room for a free-text answer; constrained one-token ACTIONS take one anyway
     constrained: bool = True  # sample exactly one of the app's answer tokens per turn (trainer mirrors it)
     # A turn's answer ends once its text contains one of these (kept in the text; every sampled id is trained):
-    # e.g. "\n```\n" ends a code block. Matched on the text, whatever the tokens: "```\n\n" as one token stops too
+    # e.g. "\n```\n" ends a code block (and a bare opening fence). Matched on the text, whatever the tokens
     stop: list[str] = field(default_factory=list)
 
     def check(self, key):
