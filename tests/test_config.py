@@ -97,6 +97,15 @@ def write(tmp_path, text):
         (["grpo.self_imitation.capacity=0"], r"grpo\.self_imitation\.capacity: expected > 0"),
         (["grpo.centre_per_answer=true", "sampling.constrained=false"], r"grpo\.centre_per_answer: centres each answer token, so it needs sampling\.constrained true"),
         (["grpo.entropy_floor=1.0", "grpo.entropy_coef=0"], r"grpo\.entropy_floor: 1\.0 holds the entropy up with the bonus, but entropy_coef is 0"),
+        (["eval.samples=4", "eval.pass_k=[1,8]"], r"eval\.pass_k: 8 is not between 1 and eval\.samples \(4\)"),
+        (["eval.samples=4", "eval.pass_k=[0]"], r"eval\.pass_k: 0 is not between 1 and eval\.samples \(4\)"),
+        (["eval.pass_k=[1]"], r"eval\.pass_k: \[1\] needs eval\.samples > 0"),
+        (["eval.samples=-1"], r"eval\.samples: expected >= 0"),
+        (["eval.task_split=[eval,eval]"], r"eval\.task_split: expected a split or a list of distinct splits"),
+        (["eval.task_split=[]"], r"eval\.task_split: expected a split or a list of distinct splits"),
+        (["eval.task_split=[eval,3]"], r"eval\.task_split\[1\]: expected str, got 3"),
+        (["eval.task_split=3"], r"eval\.task_split: expected str, got 3"),
+        (["sampling.stop=['']"], r"sampling\.stop: an empty stop string would end every answer"),
     ],
 )
 def test_bad_values_name_the_key_and_the_file(overrides, message):
@@ -104,6 +113,16 @@ def test_bad_values_name_the_key_and_the_file(overrides, message):
         load_config(TINY, overrides)
     assert str(TINY) in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_eval_task_split_is_a_split_or_a_list_and_pass_k_defaults_to_1_and_samples(tmp_path):
+    one, two = load_config(TINY, ["eval.task_split=eval"]).eval, load_config(TINY, ["eval.task_split=[eval,humaneval_eval]"]).eval
+    assert (one.task_split, one.splits, two.task_split, two.splits) == ("eval", ["eval"], ["eval", "humaneval_eval"], ["eval", "humaneval_eval"])
+    assert load_config(TINY).eval.splits == [None] and load_config(TINY).eval.ks == []
+    assert load_config(TINY, ["eval.samples=8"]).eval.ks == [1, 8] and load_config(TINY, ["eval.samples=1"]).eval.ks == [1]
+    assert load_config(TINY, ["eval.samples=8", "eval.pass_k=[1,4,8]"]).eval.ks == [1, 4, 8]
+    stops = write(tmp_path, 'env: {server: "apps.blackjack.env:BlackJackEnvironment"}\nsampling: {stop: ["\\n```\\n"]}\n')
+    assert load_config(stops).sampling.stop == ["\n```\n"] and load_config(TINY).sampling.stop == []
 
 
 def test_ppo_needs_no_group():

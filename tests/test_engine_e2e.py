@@ -21,13 +21,14 @@ import torch
 
 from forge_rl.weights import control
 from forge_rl.runtime.actor import stop
-from forge_rl.core.config import GeneratorConfig, GRPOConfig, OptimizerConfig
+from forge_rl.core.config import GeneratorConfig, GRPOConfig, OptimizerConfig, SamplingConfig
 from forge_rl.core.objective import GRPOLoss
 from forge_rl.engines.vllm.generator import Generator
 from forge_rl.engines.titan.reference import ReferenceModel
 from forge_rl.buffer.replay_buffer import ReplayBufferActor
 from forge_rl.core.episode import EpisodeRecord
 from forge_rl.models.tiny import build_tiny_model
+from forge_rl.rollout.play import sampling_params
 from forge_rl.engines.titan.trainer import Trainer
 
 NUMBERS = [4, 5, 6, 7, 8, 9, 10, 11, 17, 18, 19, 20, 21]
@@ -83,8 +84,11 @@ def test_grpo_steps_raise_reward_with_versioned_weights_and_invariants(tmp_path)
         sampling = {"temperature": 1.0, "max_tokens": 1, "allowed_token_ids": allowed}
         try:
             # Unconstrained sampling at temperature 1: a trainer scoring the full vocabulary agrees with
-            # the generator's behaviour log-probs of free text.
+            # the generator's behaviour log-probs of free text, also of answers a stop string ended (inside
+            # their last token, which is kept whole: sampling.stop as the rollouts send it).
             free = await policy.route("generate", prompt_for(tokenizer, 9), {"temperature": 1.0, "max_tokens": 6, "n": 4})
+            free += await policy.route("generate", prompt_for(tokenizer, 9), {**sampling_params(SamplingConfig(stop=["e"], max_tokens=12), None), "n": 6, "seed": 5})
+            assert sum("e" in c.text for c in free[4:]) >= 3
             free_episodes = []
             for c in free:
                 conversation = EpisodeRecord(c.prompt_ids)

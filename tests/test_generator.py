@@ -98,6 +98,38 @@ def test_logprobs_are_the_sampling_distributions_as_an_independent_model_compute
         torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
 
 
+def test_a_stop_string_ends_the_text_with_it_and_every_sampled_token_keeps_its_id_and_logprob(g):
+    """sampling.stop as the rollouts send it: the answer's text ends at the first stop string, kept in it; its ids
+    are every token sampled, the last one whole where the stop string ends inside it (" seven" for "e"), each
+    with the log-prob an independent model gives it: what is trained is what was sampled. The text is then a
+    prefix of the ids' decoding (a later turn follows the ids)."""
+    from forge_rl.core.config import SamplingConfig
+    from forge_rl.core.episode import EpisodeRecord
+    from forge_rl.rollout.play import sampling_params
+
+    params = sampling_params(SamplingConfig(stop=["e"], max_tokens=40), None)
+    assert params["stop"] == ["e"] and params["include_stop_str_in_output"]
+    completions = generate(g, g.prompt, n=12, seed=4, **params)
+    cut = [c for c in completions if "e" in c.text]
+    assert len(cut) >= 8, [c.text for c in completions]  # the others ended at <|im_end|> before an "e"
+    for c in completions:
+        decoded = g.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        assert c.finish_reason == "stop" and decoded.startswith(c.text) and len(c.token_ids) == len(c.logprobs) < 40
+        expected, _ = reference_logprobs(g, g.prompt, c)
+        torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
+        record = EpisodeRecord(list(g.prompt))
+        record.add_completion(c)
+        episode = record.to_episode(0.0, "stop")
+        assert episode.tokens.tolist() == g.prompt + c.token_ids
+        assert episode.behaviour_logprobs[episode.loss_mask.bool()].tolist() == pytest.approx(c.logprobs)
+        if c in cut:  # the first "e" ends the text, in the last token
+            assert c.text.endswith("e") and c.text.count("e") == 1
+            assert "e" not in g.tokenizer.decode(c.token_ids[:-1], skip_special_tokens=True)
+        else:
+            assert c.token_ids[-1] == g.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert any(g.tokenizer.decode(c.token_ids, skip_special_tokens=True) != c.text for c in cut), "a cut inside a token"
+
+
 def test_greedy_decoding_is_deterministic_and_takes_the_argmax(g):
     first = generate(g, g.prompt, max_tokens=8, temperature=0.0, ignore_eos=True)[0]
     again = generate(g, g.prompt, max_tokens=8, temperature=0.0, ignore_eos=True)[0]

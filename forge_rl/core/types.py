@@ -77,7 +77,9 @@ class Completion:
     # before sampling). A trainer scoring the same tokens over the full vocabulary at temperature 1 gets
     # the same numbers only for unconstrained sampling at temperature 1 and top_p 1.
     logprobs: list[float]
-    text: str  # token_ids decoded, special tokens skipped: what an app parses its action from
+    # token_ids decoded, special tokens skipped: what an app parses its action from. A stop string ends it (kept
+    # with include_stop_str_in_output) even inside the last token, which token_ids keep whole with its log-prob
+    text: str
     finish_reason: str  # "stop" (stop token/string), "length" (max_tokens reached) or "abort" (cancelled)
     policy_version: int  # the OLDEST weights version that sampled a token of it (0: the initial weights)
     # [T] the weights version that sampled each token: with partial rollouts a weight update in the middle

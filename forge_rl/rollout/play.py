@@ -43,8 +43,8 @@ def prompt_ids(app: App, tokenizer, observation: dict, first_turn: bool, close_p
     The first turn comes from the chat template (with the app's SYSTEM_PROMPT, if it has one, instead of
     the template's default); later turns continue a conversation whose earlier ids are kept as sampled, so
     only the new text is tokenized (never the whole conversation again). `close_previous`: the previous
-    answer stopped without the end-of-turn token (constrained decoding samples the answer alone), so this
-    turn starts by closing it with the chat template's (segments.py `end_of_turn`), which need not be the
+    answer stopped without the end-of-turn token (constrained decoding samples the answer alone; a stop
+    string or max_tokens cut it: play_game looks at its last id), so this turn starts by closing it with the chat template's (segments.py `end_of_turn`), which need not be the
     eos. `template_kwargs`: the config's model.chat_template_kwargs, for every turn.
     """
     kwargs = tuple(sorted((template_kwargs or {}).items()))
@@ -111,10 +111,13 @@ def answer_token_ids(app: App, tokenizer) -> list[int]:
 
 def sampling_params(config: SamplingConfig, allowed_token_ids: list[int] | None, greedy: bool = False, answer_length: int = 1) -> dict:
     """The generator's sampling dict: the config's (greedy for evaluation), restricted to the answer ids
-    when decoding is constrained."""
+    when decoding is constrained. An answer ended by a stop string keeps it in its text (the app sees the
+    closing fence) and its ids all the tokens sampled, the last one whole (its text may run past the stop)."""
     params = {"temperature": 0.0 if greedy else config.temperature, "max_tokens": config.max_tokens}
     if not greedy:
         params["top_p"] = config.top_p
+    if config.stop:
+        params.update(stop=list(config.stop), include_stop_str_in_output=True)
     if allowed_token_ids:
         params.update(allowed_token_ids=allowed_token_ids, max_tokens=answer_length)
     return params

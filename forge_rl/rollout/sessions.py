@@ -85,11 +85,11 @@ def fit_sessions_to_server(url: str, wanted: int, group_size: int, timeout_s: fl
 
 
 def task_split_sizes(url: str, cfg) -> dict[str, int]:
-    """{split: its number of tasks} for env.task_split and eval.task_split, asked of the server at `url`. A split
-    the server does not list, an empty one, or a server without the Task API stops the run with one line
+    """{split: its number of tasks} for env.task_split and each of eval.task_split, asked of the server at `url`. A
+    split the server does not list, an empty one, or a server without the Task API stops the run with one line
     naming the key."""
     sizes = {}
-    for key, split in (("env.task_split", cfg.env.task_split), ("eval.task_split", cfg.eval.task_split)):
+    for key, split in [("env.task_split", cfg.env.task_split)] + [("eval.task_split", s) for s in cfg.eval.splits]:
         if split is None or split in sizes:
             continue
         try:

@@ -171,7 +171,11 @@ def _convert(tp, value, key: str):
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
+        inner = [a for a in args if a is not type(None)]
+        listed = [a for a in inner if typing.get_origin(a) is list]
+        if len(inner) > 1 and listed:  # a value or a list of values (eval.task_split): which one it is
+            inner = listed if isinstance(value, list) else [a for a in inner if a not in listed]
+        (inner,) = inner
         return _convert(inner, value, key)
     if origin is Literal:
         if value is False and "off" in args:  # YAML 1.1 reads a bare `off` as false

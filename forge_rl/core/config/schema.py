@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Literal, Optional, Union
 
 from forge_rl.core.config.checks import ConfigError, check_mapping, check_non_negative, check_positive
 from forge_rl.core.config.grpo import GRPOConfig, ISCorrectionConfig, SelfImitationConfig  # noqa: F401 (re-exported)
@@ -57,12 +57,17 @@ class SamplingConfig:
     top_p: float = 1.0  # only 1.0: the trainer cannot mirror top-p truncation
     max_tokens: int = 256  # per turn: room for a free-text answer; constrained one-token ACTIONS take one anyway
     constrained: bool = True  # sample exactly one of the app's answer tokens per turn (trainer mirrors it)
+    # A turn's answer ends once its text contains one of these (kept in the text; every sampled id is trained):
+    # e.g. "\n```\n" ends a code block (and a bare opening fence). Matched on the text, whatever the tokens
+    stop: list[str] = field(default_factory=list)
 
     def check(self, key):
         """The one rule that keeps behaviour and trained log-probs of the same distribution: the
         generator returns the log-probs of what it sampled from, and the trainer and reference
         reproduce that distribution (engines/titan/model.py `sampling_logits`) only for what it can mirror."""
         check_positive(self, key, "max_tokens", "temperature")
+        if "" in self.stop:
+            raise ConfigError(f"{key}.stop: an empty stop string would end every answer before its first token")
         if self.top_p != 1.0:
             raise ConfigError(
                 f"{key}.top_p: expected 1.0, got {self.top_p} (the trainer scores the whole distribution, so "
@@ -176,12 +181,34 @@ class EvalConfig:
     num_games: int = 10_000  # fixed seeded deals, greedy decoding
     seed: int = 1_000_000  # first seed of the evaluation deals (disjoint from training seeds)
     reset_args: dict = field(default_factory=dict)  # over env.reset_args for evaluation, e.g. {split: eval}
-    task_split: Optional[str] = None  # None: the seeds above; a split: its tasks 0 .. num_games - 1 (at most all)
+    # None: the seeds above; a split: its tasks 0 .. num_games - 1 (at most all); a list of splits: each so, the
+    # first's metrics eval/..., every other's eval/<split>/...
+    task_split: Union[str, list[str], None] = None
+    samples: int = 0  # besides the greedy game, this many games per evaluation game at sampling.temperature: pass@k
+    pass_k: list[int] = field(default_factory=list)  # the k of eval/pass_at_<k>, each <= samples; []: [1, samples]
+    pass_reward: float = 1.0  # a sampled game passes with at least this reward
+
+    @property
+    def splits(self) -> list[Optional[str]]:
+        """task_split as a list: [None] without one."""
+        return list(self.task_split) if isinstance(self.task_split, list) else [self.task_split]
+
+    @property
+    def ks(self) -> list[int]:
+        """The k of pass@k logged (none without samples)."""
+        return list(dict.fromkeys(self.pass_k or [1, self.samples])) if self.samples else []
 
     def check(self, key):
-        check_non_negative(self, key, "interval")
+        check_non_negative(self, key, "interval", "samples")
         check_positive(self, key, "num_games")
         check_mapping(self, key, "reset_args")
+        if isinstance(self.task_split, list) and (not self.task_split or len(set(self.task_split)) < len(self.task_split)):
+            raise ConfigError(f"{key}.task_split: expected a split or a list of distinct splits, got {self.task_split!r}")
+        if self.pass_k and not self.samples:
+            raise ConfigError(f"{key}.pass_k: {self.pass_k} needs {key}.samples > 0 (the sampled games pass@k counts)")
+        wrong = [k for k in self.pass_k if not 1 <= k <= self.samples]
+        if wrong:
+            raise ConfigError(f"{key}.pass_k: {wrong[0]} is not between 1 and {key}.samples ({self.samples})")
 
 
 @dataclass

@@ -112,7 +112,7 @@ def check_dataset(cfg: RunConfig) -> None:
     except rows.DatasetError as e:
         key = "env.test_fraction" if "test_fraction" in str(e) else "env.dataset"
         raise ConfigError(f"{key}: {first_line(e)}") from None
-    for key, split in (("env.task_split", env.task_split), ("eval.task_split", cfg.eval.task_split)):
+    for key, split in [("env.task_split", env.task_split)] + [("eval.task_split", s) for s in cfg.eval.splits]:
         if split is not None and split not in splits:
             raise ConfigError(f"{key}: {split!r} is not a split of {env.dataset} (it has: {', '.join(splits)})")
 

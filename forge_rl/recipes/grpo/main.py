@@ -195,7 +195,8 @@ async def main(cfg: RunConfig) -> None:
         print(f"done: {state.step} steps, policy version {state.version}; the policy as an HF directory: {final}")
     finally:
         if job is not None and job.state.step:  # also after Ctrl-C: the curve of what was done
-            labels = {f"{k.split('/')[-1]} {v:+.3f} on the evaluation seeds": v for k, v in job.evaluation.references.items()}
+            first = job.evaluation.split_references[0].items()  # the first split's, as the headline
+            labels = {f"{k} {v:+.3f} on the evaluation seeds": v for k, v in first}
             headline = {k: f"eval {k.split('/')[-1]} (greedy)" for k in list(job.evaluation.last)[:2]}
             curve = plot_curves(run_dir, {"train/reward": "training reward", **headline}, labels)
             print(f"learning curve: {curve}", file=sys.stderr)
