@@ -63,3 +63,6 @@ def test_synthesizer_and_eval_metrics():
     assert task.synthesizer(obs) == "x+7" and task.synthesize(synth_task(3, 2).examples, 2) is not None
     results = [GameResult([], 1.0, False), GameResult([], 0.5, False), GameResult([], -1.0, True)]
     assert task.eval_metrics(results, {}) == {"eval/pass_at_1": 1 / 3, "eval/pass_rate": 0.5, "eval/invalid_rate": 1 / 3, "eval/tasks": 3}
+    # a submission that is not a function to test (the server's verdict) counts as invalid, a wrong function does not
+    results = [GameResult([], 0.0, False, observation={"verdict": v}) for v in ("no_function", "syntax_error", "failed", "passed")]
+    assert task.eval_metrics(results, {})["eval/invalid_rate"] == 0.5

@@ -46,8 +46,8 @@ def test_pass_at_k_is_chen_et_als_unbiased_estimator():
     # over tasks: their mean; a task whose samples were aborted below k counts only for smaller k
     rewards = [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0]]
     figures = pass_figures(rewards, [1, 2, 4], pass_reward=1.0)
-    assert figures == pytest.approx({"eval/pass_at_1": (0.25 + 0 + 1) / 3, "eval/pass_at_2": (0.5 + 0 + 1) / 3, "eval/pass_at_4": 0.5})
-    assert pass_figures([[0.4, 0.5]], [1], pass_reward=0.5) == {"eval/pass_at_1": 0.5}  # passes at >= pass_reward
+    assert figures == pytest.approx({"eval/sampled_pass_at_1": (0.25 + 0 + 1) / 3, "eval/sampled_pass_at_2": (0.5 + 0 + 1) / 3, "eval/sampled_pass_at_4": 0.5})
+    assert pass_figures([[0.4, 0.5]], [1], pass_reward=0.5) == {"eval/sampled_pass_at_1": 0.5}  # passes at >= pass_reward
 
 
 # The eval split's task 0 has no right answer (neither yes nor no), the extra split's none at all: sampled games
@@ -94,8 +94,8 @@ def evaluated(tmp_path_factory):
 def test_an_evaluation_reports_each_splits_greedy_figures_and_pass_at_k_of_its_sampled_games(evaluated):
     evaluation, values, rewards, again = evaluated
     # the first split's figures as eval/..., headline (the app's) first; the other's as eval/extra/...
-    assert list(values) == ["eval/reward", "eval/games", "eval/pass_at_1", "eval/pass_at_3", "eval/pass_at_6",
-                            "eval/extra/reward", "eval/extra/games", "eval/extra/pass_at_1", "eval/extra/pass_at_3", "eval/extra/pass_at_6"]
+    assert list(values) == ["eval/reward", "eval/games", "eval/sampled_pass_at_1", "eval/sampled_pass_at_3", "eval/sampled_pass_at_6",
+                            "eval/extra/reward", "eval/extra/games", "eval/extra/sampled_pass_at_1", "eval/extra/sampled_pass_at_3", "eval/extra/sampled_pass_at_6"]
     assert values["eval/games"] == 3 and values["eval/extra/games"] == GAMES  # min(num_games, the split's tasks)
     # the greedy figure is the mean of the greedy games' rewards (all 3 are the evaluation's samples)
     assert values["eval/reward"] == pytest.approx(sum(s["reward"] for s in evaluation.samples) / 3)
@@ -107,8 +107,8 @@ def test_an_evaluation_reports_each_splits_greedy_figures_and_pass_at_k_of_its_s
     assert 0 < sum(tasks_1_2) < 2 * SAMPLES, "the random policy at temperature 1 answers both ways"
     for k in (1, 3, 6):
         expected = sum(exact(SAMPLES, int(sum(task)), k) for task in rewards["eval"]) / 3
-        assert values[f"eval/pass_at_{k}"] == pytest.approx(expected)
-        assert values[f"eval/extra/pass_at_{k}"] == 0.0
-    assert values["eval/pass_at_1"] == pytest.approx(sum(tasks_1_2) / (3 * SAMPLES))  # pass@1: the share that passed
-    assert values["eval/pass_at_1"] <= values["eval/pass_at_3"] <= values["eval/pass_at_6"]
+        assert values[f"eval/sampled_pass_at_{k}"] == pytest.approx(expected)
+        assert values[f"eval/extra/sampled_pass_at_{k}"] == 0.0
+    assert values["eval/sampled_pass_at_1"] == pytest.approx(sum(tasks_1_2) / (3 * SAMPLES))  # pass@1: the share that passed
+    assert values["eval/sampled_pass_at_1"] <= values["eval/sampled_pass_at_3"] <= values["eval/sampled_pass_at_6"]
     assert again == values, "the sampled games are seeded: the same weights give the same figures"

@@ -36,7 +36,7 @@ class Evaluation:
     env.reset_args; with eval.task_split, game i also resets on task i of that split (at most all of its
     tasks), and each split of a list of them is evaluated so: the first's figures are eval/..., every
     other's eval/<split>/.... With eval.samples n, every game is also played n times sampled (training
-    sampling, seeded), giving eval/pass_at_<k> for each k of eval.ks: the mean over games of pass_at_k,
+    sampling, seeded), giving eval/sampled_pass_at_<k> for each k of eval.ks: the mean over games of pass_at_k,
     a sample passing with a reward of at least eval.pass_reward. `references` holds the reference
     policies' mean rewards on those games (played once), `last` the figures of the last evaluation (its
     first two: the progress bar's headline), `samples` a few of its greedy games as text (the first
@@ -133,12 +133,12 @@ class Evaluation:
 
 
 def pass_figures(rewards: list[list[float]], ks: list[int], pass_reward: float) -> dict[str, float]:
-    """eval/pass_at_<k>: pass_at_k's mean over the games, of each game's sampled rewards (a game with fewer than
+    """eval/sampled_pass_at_<k>: pass_at_k's mean over the games, of each game's sampled rewards (a game with fewer than
     k, its others aborted, left out; a k no game has enough samples for, not reported)."""
     counts = [(len(task), sum(r >= pass_reward for r in task)) for task in rewards]
     values = {}
     for k in ks:
         scored = [pass_at_k(n, c, k) for n, c in counts if n >= k]
         if scored:
-            values[f"eval/pass_at_{k}"] = sum(scored) / len(scored)
+            values[f"eval/sampled_pass_at_{k}"] = sum(scored) / len(scored)
     return values

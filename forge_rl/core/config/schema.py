@@ -185,7 +185,7 @@ class EvalConfig:
     # first's metrics eval/..., every other's eval/<split>/...
     task_split: Union[str, list[str], None] = None
     samples: int = 0  # besides the greedy game, this many games per evaluation game at sampling.temperature: pass@k
-    pass_k: list[int] = field(default_factory=list)  # the k of eval/pass_at_<k>, each <= samples; []: [1, samples]
+    pass_k: list[int] = field(default_factory=list)  # the k of eval/sampled_pass_at_<k>, each <= samples; []: [1, samples]
     pass_reward: float = 1.0  # a sampled game passes with at least this reward
 
     @property
