@@ -67,11 +67,11 @@ def block_parameters() -> int:
     return layers * (2 * d * d + 2 * d * kv + 3 * d * f)
 
 
-def run(overrides: list[str], steps: int) -> tuple[list[dict], tuple[int, int, float]]:
-    """One run of the config; its metrics rows, the peak memory of all its processes (PSS, RSS; bytes) and the
+def run(overrides: list[str], steps: int, config: Path = CONFIG) -> tuple[list[dict], tuple[int, int, float]]:
+    """One run of `config`; its metrics rows, the peak memory of all its processes (PSS, RSS; bytes) and the
     CPU seconds the memory sampler took."""
     with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, "-m", "forge_rl.grpo", "--config", str(CONFIG), f"run_dir={tmp}/run",
+        command = [sys.executable, "-m", "forge_rl.grpo", "--config", str(config), f"run_dir={tmp}/run",
                    f"trainer.max_steps={steps}", "eval.interval=0", "trainer.checkpoint_every=0", *overrides]
         proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         peak, cpu = [0, 0], [0.0]

@@ -116,3 +116,23 @@ async def _multi_turn(cfg):
         await shutdown(job)
         if server is not None:
             server.stop()
+
+
+@pytest.mark.slow  # about 2 minutes on 2 cores
+def test_smollm2_code_config_runs_its_evaluation_on_both_splits_with_pass_at_k(tmp_path):
+    """configs/coder_smollm2_cpu.yaml with the tiny model in SmolLM2's place (the same server, splits, stop at the
+    block's end, evaluation): it trains from the functions train split and reports greedy pass@1, sampled pass@k
+    and the invalid rate on the eval split and on HumanEval's 40, and how long games waited on the server."""
+    run_dir = tmp_path / "run"
+    small = ["model.path=null", "trainer.max_steps=1", "grpo.batch_size=1", "grpo.group_size=2", "rollout.num_workers=1",
+             "eval.num_games=2", "eval.samples=2", "eval.pass_k=[1,2]", "sampling.max_tokens=8", "logging.tensorboard=false"]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "forge_rl.grpo", "--config", str(ROOT / "configs/coder_smollm2_cpu.yaml"), f"run_dir={run_dir}", *small],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    for split in ("eval/", "eval/humaneval_eval/"):
+        assert {f"{split}{k}" for k in ("pass_at_1", "sampled_pass_at_1", "sampled_pass_at_2", "invalid_rate")} <= set(last)
+        assert last[f"{split}tasks"] == 2
+    assert last["rollout/env_s"] > 0 and last["rollout/policy_s"] > 0 and last["train/sampled_tokens"] > 0

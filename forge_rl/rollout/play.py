@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass, field
 
 from forge_rl.core.app import App
@@ -31,6 +32,8 @@ class GameResult:
     # (prompt ids of the turn, the answer's text, the action parse_action made of it) per turn: samples.jsonl
     turns: list[tuple[list[int], str, dict | None]] = field(default_factory=list)
     observation: dict | None = None  # the last one the environment sent: what an app's eval_metrics may read
+    env_s: float = 0.0  # seconds this game waited on its environment (reset and steps: a code server's grading)
+    policy_s: float = 0.0  # seconds it waited on the policy's answers
 
 
 _PROMPTS_WITH_UNKNOWN_WORDS: list[str] = []  # the first one found is reported, once per run
@@ -129,9 +132,18 @@ async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict |
     `asks`: where the game's answers come from (requests.py), shared with the other games of its group or
     evaluation. `reset_args`: besides the seed (the config's env.reset_args, or eval.reset_args over them)."""
     cfg, app, tokenizer = rollouts.cfg, rollouts.app, rollouts.tokenizer
+    clock = {"env": 0.0, "policy": 0.0}
+
+    async def timed(kind: str, call):
+        start = time.perf_counter()
+        try:
+            return await call
+        finally:
+            clock[kind] += time.perf_counter() - start
+
     async with rollouts.sessions.session() as session:
         try:
-            observation = (await session.reset(seed=seed, **(reset_args or cfg.env.reset_args))).observation
+            observation = (await timed("env", session.reset(seed=seed, **(reset_args or cfg.env.reset_args)))).observation
             template = cfg.model.chat_template_kwargs
             prompt = prompt_ids(app, tokenizer, observation, True, template_kwargs=template)
             record, invalid, turns = EpisodeRecord(prompt), False, []
@@ -143,7 +155,7 @@ async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict |
                     unclosed = record.token_ids[-1] != end_of_turn(tokenizer)[1]
                     prompt = prompt_ids(app, tokenizer, observation, False, unclosed, template)
                     record.add_prompt(prompt)
-                completion = await asks.answer(list(record.token_ids), previous)
+                completion = await timed("policy", asks.answer(list(record.token_ids), previous))
                 previous = (tuple(completion.prompt_ids), tuple(completion.token_ids))
                 record.add_completion(completion)
                 action = app.parse_action(completion.text, observation)
@@ -151,7 +163,7 @@ async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict |
                 if action is None:
                     invalid = True
                     break
-                observation = (await session.step(action)).observation
+                observation = (await timed("env", session.step(action))).observation
         except EpisodeAborted as e:
             logger.warning("game on seed %d dropped: %s", seed, e)
             rollouts.last_abort = str(e)
@@ -161,4 +173,4 @@ async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict |
     else:  # cut off at rollout.max_turns: never scored better than losing (schema.py, rollout.cutoff_reward)
         reward = cfg.rollout.cutoff_score
     episodes = [record.to_episode(reward, group_id)] if record.completion_versions else []
-    return GameResult(episodes, reward, invalid, turns=turns, observation=observation)
+    return GameResult(episodes, reward, invalid, turns=turns, observation=observation, env_s=clock["env"], policy_s=clock["policy"])

@@ -63,6 +63,7 @@ class Rollouts:
         self.episodes_played = 0
         self.aborted_games = 0
         self.groups_without_episodes = 0  # dropped: a game ended, not aborted, with nothing to train on
+        self.env_s = self.policy_s = 0.0  # seconds games waited on environments / on the policy, summed over games
         self.groups_lost_in_a_row = 0  # groups aborted whole or dropped, since the last one that was neither
         self.last_abort = ""  # why the last aborted game was
         self.recent: list[tuple[float, bool]] = []  # (reward, invalid) of recent training games
@@ -103,6 +104,8 @@ class Rollouts:
         self.episodes_played += len(results)
         self.last_group = results
         self.aborted_games += sum(r.aborted for r in results)
+        self.env_s += sum(r.env_s for r in results)
+        self.policy_s += sum(r.policy_s for r in results)
         # A game that ended without asking the policy (an agent that never called the model, a game done at
         # reset) has no episode: its group is not comparable, so it is dropped, and said so.
         empty = sum(not r.aborted and not r.episodes for r in results)

@@ -64,6 +64,7 @@ class Learner:
             "train/batch_episodes": len(batch),
             "train/truncated": sum(e.truncated for e in batch) / len(batch),  # an answer cut at max_tokens
             "train/episode_tokens": sum(len(e.tokens) for e in batch),
+            "train/sampled_tokens": sum(int(e.loss_mask.sum()) for e in batch),  # what the generator sampled
             "train/policy_age": version - 1 - min(e.policy_version for e in batch),
             "train/mixed_version_episodes": sum(len(set(e.token_versions[e.loss_mask.bool()].tolist())) > 1 for e in batch) / len(batch),
             **token_age_figures(batch, version - 1),

@@ -230,6 +230,8 @@ async def train(job: Job, progress, workers: list[asyncio.Task]) -> None:
             "rollout/errors": job.rollout_errors,
             "rollout/aborted_games": rollouts.aborted_games,
             "rollout/groups_without_episodes": rollouts.groups_without_episodes,
+            "rollout/env_s": rollouts.env_s,  # totals over the run's games: what share of a game was the environment's
+            "rollout/policy_s": rollouts.policy_s,
         })
         if job.in_flight is not None:
             values.update({"rollout/groups_in_flight": len(job.in_flight), "rollout/admission_waits": job.in_flight.waits})
