@@ -5,6 +5,9 @@ call_tool step, the tool's result the next turn, and submit's grade the episode'
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from transformers import AutoTokenizer
@@ -14,11 +17,12 @@ from forge_rl.core.config import load_config
 from forge_rl.core.types import Completion
 from forge_rl.envs.local import launch_local
 from forge_rl.models.tiny import build_tiny_model
+from forge_rl.recipes.metrics import read_metrics
 from forge_rl.rollout.env_client import EnvSession
 from forge_rl.rollout.play import play_game, prompt_ids
 from forge_rl.rollout.rollouts import Rollouts
 from forge_rl.rollout.tools import HERMES_TOOLS, function_specs, list_tools, parse_tool_call, tool_result_text, with_tools
-from tests.chat_helpers import CONFIG, build_scripted_model
+from tests.chat_helpers import CONFIG, ROOT, build_scripted_model
 
 SERVER = "apps.coder.tools_env:CodeToolsEnvironment"
 SOLUTION = "def remainder_ten(n):\n    return n % 10\n"  # the task of seed 3 (train split of `functions`)
@@ -145,3 +149,26 @@ def test_a_template_without_a_tool_format_gets_the_tools_in_the_system_message(t
     messages = [{"role": "system", "content": system}, {"role": "user", "content": r.app.render_prompt(task)}]
     text = r.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert prompt_ids(r.app, r.tokenizer, task, True) == r.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_tiny_run_trains_through_the_tool_server(tmp_path, scripted):
+    """`python -m forge_rl.grpo` on the scripted tiny policy, whose answers are often a run_python call: three
+    steps against the tools server it launches. A game's tool call reaches the server and its output (42)
+    is the next turn's prompt; what the trainer scores is what the policy sampled (ratio 1 at age 0)."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "forge_rl.grpo", "--config", str(CONFIG), "app_module=apps.coder.tools_task",
+            f"env.server={SERVER}", f"model.path={scripted}", f"run_dir={run_dir}", "sampling.constrained=false",
+            "sampling.max_tokens=6", "grpo.group_size=4", "grpo.batch_size=2", "trainer.max_steps=3", "eval.interval=0",
+            "rollout.num_workers=2", "env.max_concurrent=8", "trainer.checkpoint_every=0", "rollout.max_turns=3",
+            "logging.samples_every=1"]  # fmt: skip
+    out = subprocess.run(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=1100)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(abs(r["train/ratio_mean"] - 1.0) < 1e-4 for r in rows)
+    games = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    turns = [game["turns"] for game in games]
+    called = [t for t in turns if t[0]["action"] and t[0]["action"]["tool_name"] == "run_python" and len(t) > 1]
+    assert called, turns[:2]
+    assert "42" in called[0][1]["prompt"]  # the tool's output, in the turn after the call
