@@ -72,6 +72,7 @@ def environment(my_envs: Path, **extra: str) -> dict:
 def test_the_page_writes_every_file_it_uses():
     assert set(guide_files()) == {
         "guess_number/env.py", "guess_number/tasks.py", "guess_number/task.py", "guess_number.yaml", "Dockerfile",
+        "guess_number/tools.py", "guess_number/tools_task.py",
         "my_overlay/guess-number.yaml", "my_overlay/kustomization.yaml",
         "sums/make_data.py", "sums/task.py", "sums.yaml",
     }
@@ -282,3 +283,27 @@ def test_the_overlay_renders_over_the_base_and_validates(tmp_path):
     service = find(objects, "Service", "guess-number")
     labels = find(objects, "Deployment", "guess-number")["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["ports"][0]["port"] == 8000 and service["spec"]["selector"].items() <= labels.items()
+
+
+def test_the_tools_section_trains_a_tool_call_into_the_environments_reward(my_envs, tmp_path, monkeypatch):
+    """The page's MCPEnvironment, served from ~/my_envs, with its app: a game whose answers are guess calls
+    (bisecting on the tool's higher/lower) is found and scored by the environment's reward."""
+    from tests.chat_helpers import CONFIG, build_scripted_model
+    from tests.test_tools import Scripted, call, tool_rollouts
+
+    monkeypatch.syspath_prepend(str(my_envs))
+    monkeypatch.setenv("PYTHONPATH", f"{my_envs}{os.pathsep}{ROOT}")
+    with launch_local("guess_number.tools:GuessTools", max_concurrent_envs=4, timeout_s=180) as server:
+        r = tool_rollouts(tmp_path, build_scripted_model(tmp_path / "m"), server.url, "app_module=guess_number.tools_task")
+        answers = Scripted(r.tokenizer, [call("guess", n=8), call("guess", n=4), call("guess", n=6), call("guess", n=5)])
+
+        async def main():
+            try:
+                from forge_rl.rollout.play import play_game
+                return await play_game(r, 5, "g", answers)  # reset(seed=5): the number is 5
+            finally:
+                await r.close()
+
+        result = asyncio.run(main())
+    assert [t[2]["arguments"]["n"] for t in result.turns] == [8, 4, 6, 5] and result.reward == 1.0
+    assert [t["function"]["name"] for t in r.app.tools] == ["guess"] and CONFIG.exists()

@@ -1,7 +1,7 @@
 """The app contract: what the config's `app_module` provides, checked once when a run starts.
 
 An app is plain code: it turns an environment's observation into a prompt, the policy's answer into an
-action, and the end of an episode into a reward. It takes one of two forms:
+action, and the end of an episode into a reward. It takes one of three forms:
 
     TaskApp   render_prompt(observation) -> str
               parse_action(text, observation) -> action dict | None (None: invalid answer, the episode ends)
@@ -11,6 +11,9 @@ action, and the end of an episode into a reward. It takes one of two forms:
               ACTIONS (one token each) or ANSWER_VOCABULARY (answers of several tokens): the words
               constrained decoding may sample (sampling.constrained)
     AgentApp  async run_agent(ctx) -> float | None: an agent written against a chat API (rollout/agents.py)
+    ToolApp   MCP_TOOLS = True and render_prompt(reset observation) -> str: the environment is an OpenEnv
+              MCPEnvironment, the policy acts by calling its tools (rollout/tools.py); parse_action defaults to
+              the tool-call parser and reward to the environment's (terminal_reward)
 
 Either may add `eval_metrics(results, references) -> dict` (what an evaluation reports, its headline
 first; `results` have .reward and .invalid, `references` maps each reference policy's name to its mean
@@ -62,6 +65,8 @@ class App:
     reference_policies: dict = field(default_factory=dict)
     system_prompt: str | None = None  # SYSTEM_PROMPT: the first turn's system message (None: the template's own)
     sample_observation: Mapping | None = None  # SAMPLE_OBSERVATION: a prompt to check words against
+    uses_tools: bool = False  # MCP_TOOLS: the policy acts by the environment's tools (rollout/tools.py)
+    tools: tuple = ()  # their function specs, listed by the server when the run starts
 
     @property
     def is_agent(self) -> bool:
@@ -77,8 +82,8 @@ def load_app(name: str, constrained: bool = False, dataset: bool = False) -> App
         module = importlib.import_module(name)
     except ImportError as e:
         raise ConfigError(f"app_module {name!r} cannot be imported: {e}") from None
-    agent = hasattr(module, "run_agent")
-    needed = ["run_agent"] if agent else ["render_prompt", "parse_action", "reward"]
+    agent, tools = hasattr(module, "run_agent"), bool(getattr(module, "MCP_TOOLS", False))
+    needed = ["run_agent"] if agent else ["render_prompt"] if tools else ["render_prompt", "parse_action", "reward"]
     missing = [n for n in needed if not callable(getattr(module, n, None))]
     vocabulary = getattr(module, "ANSWER_VOCABULARY", None)
     answers = tuple(vocabulary or getattr(module, "ACTIONS", None) or ())
@@ -96,7 +101,7 @@ def load_app(name: str, constrained: bool = False, dataset: bool = False) -> App
         name=name,
         render_prompt=getattr(module, "render_prompt", None),
         parse_action=getattr(module, "parse_action", None),
-        reward=terminal_reward if dataset and not agent else getattr(module, "reward", None),
+        reward=terminal_reward if dataset and not agent or tools and not hasattr(module, "reward") else getattr(module, "reward", None),
         run_agent=getattr(module, "run_agent", None),
         answers=answers,
         multi_token_answers=bool(vocabulary),
@@ -104,6 +109,7 @@ def load_app(name: str, constrained: bool = False, dataset: bool = False) -> App
         reference_policies=dict(policies),
         system_prompt=getattr(module, "SYSTEM_PROMPT", None),
         sample_observation=getattr(module, "SAMPLE_OBSERVATION", None),
+        uses_tools=tools and not agent,
     )
 
 

@@ -9,6 +9,7 @@ kept as sampled, each new observation is tokenized alone and appended.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from forge_rl.core.episode import EpisodeRecord
 from forge_rl.core.types import Episode
 from forge_rl.rollout.env_client import EpisodeAborted
 from forge_rl.rollout.segments import end_of_turn
+from forge_rl.rollout.tools import HERMES_TOOLS, is_tool_result, tool_result_text
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +49,19 @@ def prompt_ids(app: App, tokenizer, observation: dict, first_turn: bool, close_p
     the template's default); later turns continue a conversation whose earlier ids are kept as sampled, so
     only the new text is tokenized (never the whole conversation again). `close_previous`: the previous
     answer stopped without the end-of-turn token (constrained decoding samples the answer alone; a stop
-    string or max_tokens cut it: play_game looks at its last id), so this turn starts by closing it with the chat template's (segments.py `end_of_turn`), which need not be the
-    eos. `template_kwargs`: the config's model.chat_template_kwargs, for every turn.
+    string or max_tokens cut it: play_game looks at its last id), so this turn starts by closing it with the
+    chat template's (segments.py `end_of_turn`), which need not be the eos. `template_kwargs`: the config's
+    model.chat_template_kwargs, for every turn. An app with tools (rollout/tools.py) has them rendered on its
+    first turn, and a tool's result as a `tool` message.
     """
     kwargs = tuple(sorted((template_kwargs or {}).items()))
-    system = getattr(app, "system_prompt", None)
-    text, ids = _turn_ids(tokenizer, app.render_prompt(observation), first_turn, system, kwargs)
+    system, tools = getattr(app, "system_prompt", None), getattr(app, "tools", ())
+    if tools and is_tool_result(observation):
+        content, role = tool_result_text(observation), "tool"
+    else:
+        content, role = app.render_prompt(observation), "user"
+    specs = json.dumps(tools) if tools and first_turn else ""
+    text, ids = _turn_ids(tokenizer, content, first_turn, system, kwargs, role, specs)
     ids = list(ids)
     if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids and not _PROMPTS_WITH_UNKNOWN_WORDS:
         _PROMPTS_WITH_UNKNOWN_WORDS.append(text)  # the prompt's words are the app's to fix
@@ -70,13 +79,22 @@ def unknown_words(tokenizer, text: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _turn_ids(tokenizer, content: str, first_turn: bool, system: str | None, kwargs: tuple) -> tuple[str, tuple[int, ...]]:
-    """The text and ids of one user turn (see prompt_ids). Cached: a game's prompts repeat (BlackJack
-    has a few hundred), and rendering the chat template three times per turn cost more than the model."""
+def _turn_ids(tokenizer, content: str, first_turn: bool, system: str | None, kwargs: tuple, role: str = "user",
+              tools: str = "") -> tuple[str, tuple[int, ...]]:
+    """The text and ids of one user (or tool) turn (see prompt_ids); `tools`: the function specs as JSON, for
+    the first turn. Cached: a game's prompts repeat (BlackJack has a few hundred), and rendering the chat
+    template three times per turn cost more than the model."""
     render = functools.partial(tokenizer.apply_chat_template, tokenize=False, **dict(kwargs))
-    message = {"role": "user", "content": content}
+    message = {"role": role, "content": content}
     start = [{"role": "system", "content": system}] if system is not None else []
     text = render(start + [message], add_generation_prompt=True)
+    if tools:
+        with_tools = render(start + [message], add_generation_prompt=True, tools=json.loads(tools))
+        if with_tools == text:  # the template has no tool format: the tools go into the system message
+            listed = "\n".join(json.dumps(spec) for spec in json.loads(tools))
+            start = [{"role": "system", "content": "\n\n".join(filter(None, [system, HERMES_TOOLS.format(tools=listed)]))}]
+            with_tools = render(start + [message], add_generation_prompt=True)
+        text = with_tools
     if not first_turn:
         # The turn as the template renders it after an earlier one: without what it puts only at the start
         # (SmolLM2's default system prompt), after the newline it puts after the previous <|im_end|>.

@@ -9,6 +9,10 @@ The protocol, as openenv/core/env_server/http_server.py serves it:
     {"type": "observation", "data": {"observation": {...}, "reward": r, "done": d}}
   or {"type": "error", "data": {"message", "code", ...}}. Over capacity the server accepts the connection,
   sends {"code": "CAPACITY_REACHED", "max_sessions": n, ...} and closes it.
+  MCP (an MCPEnvironment's tools, RFC 003) on the same WebSocket, outside the episode:
+    {"type": "mcp", "data": {"jsonrpc": "2.0", "id": n, "method": "tools/list" | "tools/call", "params": {...}}}
+  answered {"type": "mcp", "data": {"jsonrpc": "2.0", "id": n, "result": ...} or {..., "error": {"code", "message"}}}.
+  Tools are called in an episode as a step, {"type": "call_tool", "tool_name", "arguments"}: rollout/tools.py.
   HTTP: GET /health; the Task API GET /list_environments (the environment's name), GET /{name}/splits,
   POST /{name}/num_tasks {"split"}, POST /{name}/task {"split", "index"}.
 """
@@ -92,6 +96,15 @@ class Connection:
         payload = message.get("data", {})
         reward, done = payload.get("reward"), bool(payload.get("done", False))
         return StepResult({**payload.get("observation", {}), "reward": reward, "done": done}, reward, done)
+
+    async def mcp(self, method: str, params: dict[str, Any] | None = None) -> Any:
+        """One MCP JSON-RPC request (tools/list, tools/call); its `result`, or ServerError with its error."""
+        await self.ws.send(json.dumps({"type": "mcp", "data": {"jsonrpc": "2.0", "id": 1, "method": method, "params": params or {}}}))
+        message = json.loads(await self.ws.recv())
+        answer = message.get("data", {})
+        if message.get("type") != "mcp" or "error" in answer:
+            raise ServerError(self.url, answer.get("error") or answer)
+        return answer.get("result")
 
     async def close(self) -> None:
         """Ask the server to end the session, then close (closing first races the server's own close)."""

@@ -1,0 +1,99 @@
+"""MCP tool environments as the policy's tools: an OpenEnv `MCPEnvironment` trains unmodified.
+
+An app that sets `MCP_TOOLS = True` (core/app.py) plays its episodes by tool calls. At the start of a run the
+server's tools are listed (MCP tools/list over the session's WebSocket, wire.py; no reset needed) and become
+function specs, `{"type": "function", "function": {"name", "description", "parameters": <its JSON schema>}}`,
+the form chat templates and the OpenAI API take. Then each game (play.py):
+
+    the first turn     the app's render_prompt(reset observation), with the tools passed to the chat template
+                       (`apply_chat_template(..., tools=...)`); a template without a tool format gets them as a
+                       Hermes-style block in the system message instead (HERMES_TOOLS)
+    the answer         its first <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes, Qwen) becomes
+                       OpenEnv's CallToolAction `{"type": "call_tool", "tool_name", "arguments"}`, sent as a step;
+                       an answer without one is invalid (the episode ends, rollout.invalid_action_penalty)
+    the next turn      the tool's result (a CallToolObservation: its text content, or the error the server
+                       reported) as a `tool` message, rendered by the chat template
+    the reward         the environment's: the observation's reward once it says done (terminal_reward)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from forge_rl.rollout.wire import Connection
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+HERMES_TOOLS = (
+    "You may call one of these tools:\n<tools>\n{tools}\n</tools>\n"
+    'Call one by answering <tool_call>{{"name": <tool name>, "arguments": <its arguments as a JSON object>}}</tool_call>'
+)
+
+
+async def list_tools(url: str, timeout_s: float) -> list[dict[str, Any]]:
+    """The server's tools as MCP lists them: [{"name", "description", "inputSchema"}, ...]."""
+    connection = await Connection(url, timeout_s).open()
+    try:
+        return list((await asyncio.wait_for(connection.mcp("tools/list"), timeout_s))["tools"])
+    finally:
+        await connection.close()
+
+
+def function_specs(tools: list[Mapping[str, Any]]) -> tuple[dict, ...]:
+    """MCP tools (or OpenEnv's Tool model, `input_schema`) as the function specs chat templates render."""
+    return tuple(
+        {"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
+                                          "parameters": t.get("inputSchema") or t.get("input_schema") or {"type": "object"}}}
+        for t in tools
+    )  # fmt: skip
+
+
+async def with_tools(app, url: str, timeout_s: float):
+    """The app with the server's tools (for an app with MCP_TOOLS; any other app as it is), and the tool-call
+    parser as its parse_action unless it has its own."""
+    if not app.uses_tools:
+        return app
+    specs = function_specs(await list_tools(url, timeout_s))
+    if not specs:
+        raise RuntimeError(f"{url}: the environment lists no tools (MCP tools/list), and {app.name} acts only by tools")
+    return dataclasses.replace(app, tools=specs, parse_action=app.parse_action or parse_tool_call)
+
+
+def parse_tool_call(text: str, observation: Any = None) -> dict | None:
+    """The answer's first tool call as a call_tool action, or None when it has none a server could call (no
+    <tool_call> block, not JSON, no name, arguments not an object). A call of an unknown tool is sent as it is:
+    the environment's answer (tool_not_found) is what the policy learns from."""
+    match = _TOOL_CALL.search(text)
+    if match is None:
+        return None
+    try:
+        call = json.loads(match.group(1))
+        arguments = call.get("arguments", {})
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except (ValueError, AttributeError):
+        return None
+    name = call.get("name")
+    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+        return None
+    return {"type": "call_tool", "tool_name": name, "arguments": arguments}
+
+
+def is_tool_result(observation: Mapping) -> bool:
+    """Whether the observation answers a tool call (OpenEnv's CallToolObservation), not a reset's."""
+    return "tool_name" in observation
+
+
+def tool_result_text(observation: Mapping) -> str:
+    """A CallToolObservation as the policy reads it: the result's text content (MCP's CallToolResult), a plain
+    result as it is, or the error the server reported for a call it could not make."""
+    error, result = observation.get("error"), observation.get("result")
+    if error:
+        return f"error ({error.get('error_type')}): {error.get('message')}" if isinstance(error, Mapping) else f"error: {error}"
+    if isinstance(result, Mapping) and isinstance(result.get("content"), list):
+        return "\n".join(c.get("text", "") for c in result["content"] if isinstance(c, Mapping) and c.get("type") == "text")
+    return result if isinstance(result, str) else json.dumps(result)

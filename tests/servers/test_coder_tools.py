@@ -1,0 +1,40 @@
+"""The code tools environment (apps/coder/tools_env.py) in-process, in the servers' virtualenv, through
+OpenEnv's own MCP types: tools listed, run_python runs in the sandbox, submit grades and ends the episode."""
+
+import asyncio
+
+from openenv.core.env_server.mcp_types import CallToolAction, ListToolsAction
+
+from apps.coder.task_sets import split_tasks
+from apps.coder.tools_env import CodeToolsEnvironment
+
+
+def text(observation) -> str:
+    return observation.result.content[0].text
+
+
+def test_tools_run_and_submit_grades_the_hidden_tests():
+    env = CodeToolsEnvironment()
+    assert [t.name for t in env.step(ListToolsAction()).tools] == ["run_python", "submit"]  # before any reset
+    task = split_tasks()["eval"][0]
+    first = env.reset(split="eval", index=0, max_turns=3)
+    assert first.task_id == task.task_id and not any(test in first.model_dump_json() for test in task.tests)
+
+    async def episode(program: str):
+        run = await env.step_async(CallToolAction(tool_name="run_python", arguments={"code": "print(6*7)"}))
+        end = await env.step_async(CallToolAction(tool_name="submit", arguments={"code": program}))
+        after = await env.step_async(CallToolAction(tool_name="run_python", arguments={"code": "print(1)"}))
+        return run, end, after
+
+    run, end, after = asyncio.run(episode("def nothing(): pass"))
+    assert text(run).startswith("exit code 0\nstdout:\n42") and not run.done and run.reward is None
+    assert end.done and end.reward == 0.0 and text(end).startswith("no_function: 0 of")
+    assert after.done and after.reward == 0.0 and "episode is over" in after.result
+
+
+def test_an_episode_without_a_submission_ends_at_max_turns_with_no_reward():
+    env = CodeToolsEnvironment()
+    env.reset(seed=1, max_turns=2)
+    call = CallToolAction(tool_name="run_python", arguments={"code": "print(1)"})
+    first, second = env.step(call), env.step(call)
+    assert not first.done and second.done and second.reward == 0.0

@@ -1,0 +1,174 @@
+"""MCP tool environments in the environment form (forge_rl/rollout/tools.py), against a real MCPEnvironment:
+the code tools server (apps/coder/tools_env.py) launched on 127.0.0.1 in the servers' virtualenv. Its tools are
+listed over MCP, rendered into the first prompt by the chat template, a tool call in an answer becomes a
+call_tool step, the tool's result the next turn, and submit's grade the episode's reward."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+from forge_rl.core.app import load_app, terminal_reward
+from forge_rl.core.config import load_config
+from forge_rl.core.types import Completion
+from forge_rl.envs.local import launch_local
+from forge_rl.models.tiny import build_tiny_model
+from forge_rl.recipes.metrics import read_metrics
+from forge_rl.rollout.env_client import EnvSession
+from forge_rl.rollout.play import play_game, prompt_ids
+from forge_rl.rollout.rollouts import Rollouts
+from forge_rl.rollout.tools import HERMES_TOOLS, function_specs, list_tools, parse_tool_call, tool_result_text, with_tools
+from tests.chat_helpers import CONFIG, ROOT, build_scripted_model
+
+SERVER = "apps.coder.tools_env:CodeToolsEnvironment"
+SOLUTION = "def remainder_ten(n):\n    return n % 10\n"  # the task of seed 3 (train split of `functions`)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with launch_local(SERVER, max_concurrent_envs=8, timeout_s=180) as server:
+        yield server
+
+
+def call(name: str, **arguments) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def test_tools_are_listed_over_mcp_and_called_as_steps(server):
+    tools = asyncio.run(list_tools(server.url, 30))
+    assert [t["name"] for t in tools] == ["run_python", "submit"]
+    specs = function_specs(tools)
+    assert specs[0]["type"] == "function" and specs[0]["function"]["parameters"]["properties"] == {"code": {"type": "string"}}
+    assert specs[0]["function"]["parameters"]["required"] == ["code"] and "sandbox" in specs[0]["function"]["description"]
+
+    async def episode(program: str):
+        async with EnvSession(server.url, restore="none") as session:
+            first = await session.reset(seed=3)
+            run = await session.step(parse_tool_call("let me try " + call("run_python", code="print(6*7)")))
+            wrong = await session.step(parse_tool_call(call("nope")))
+            end = await session.step(parse_tool_call(call("submit", code=program)))
+            return first, run, wrong, end
+
+    first, run, wrong, end = asyncio.run(episode(SOLUTION))
+    assert first.observation["entry_point"] == "remainder_ten" and not first.done
+    assert tool_result_text(run.observation) == "exit code 0\nstdout:\n42\n\nstderr:\n" and not run.done and run.reward is None
+    assert tool_result_text(wrong.observation).startswith("error (tool_not_found)") and not wrong.done
+    assert end.done and end.reward == 1.0 and tool_result_text(end.observation) == "passed: 10 of 10 hidden tests passed"
+    assert terminal_reward(end.observation, False, 1.0) == 1.0
+    _, _, _, failed = asyncio.run(episode("def remainder_ten(n):\n    return n\n"))
+    assert failed.done and failed.reward < 1.0
+
+
+def test_a_tool_call_is_parsed_only_when_it_is_one():
+    assert parse_tool_call('x <tool_call>\n{"name": "submit", "arguments": "{\\"code\\": \\"1\\"}"}\n</tool_call> y') == {
+        "type": "call_tool", "tool_name": "submit", "arguments": {"code": "1"}}
+    for text in ["HIT", "<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
+                 '<tool_call>{"name": "submit", "arguments": [1]}</tool_call>', '<tool_call>{"name": "submit"']:
+        assert parse_tool_call(text) is None, text
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    """The tiny model with a Qwen-style tool template (tests/chat_helpers.py)."""
+    return build_scripted_model(tmp_path_factory.mktemp("scripted"))
+
+
+def tool_rollouts(tmp_path, model, url, *overrides) -> Rollouts:
+    cfg = load_config(CONFIG, ["app_module=apps.coder.tools_task", "grpo.group_size=2", "env.max_concurrent=4",
+                               "rollout.max_turns=4", *overrides])  # fmt: skip
+    app = asyncio.run(with_tools(load_app(cfg.app_module), url, 30))
+    return Rollouts(cfg, app, AutoTokenizer.from_pretrained(model), None, url, None)
+
+
+class Scripted:
+    """The answers of a game, in order, as the policy would return them: each text's ids, with their log-probs."""
+
+    def __init__(self, tokenizer, texts):
+        self.tokenizer, self.texts, self.prompts = tokenizer, list(texts), []
+
+    async def answer(self, prompt, previous=None) -> Completion:
+        self.prompts.append(list(prompt))
+        text = self.texts.pop(0)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        return Completion(prompt_ids=list(prompt), token_ids=ids, logprobs=[-0.5] * len(ids), text=text,
+                          finish_reason="stop", policy_version=1)  # fmt: skip
+
+
+def test_a_game_calls_the_tools_and_earns_the_environments_reward(tmp_path, server, scripted):
+    r = tool_rollouts(tmp_path, scripted, server.url)
+    assert r.app.parse_action is parse_tool_call and r.app.reward is terminal_reward
+    tokenizer = r.tokenizer
+    asks = Scripted(tokenizer, [call("run_python", code="print(6*7)"), call("submit", code=SOLUTION)])
+
+    async def main():
+        try:
+            return await play_game(r, 3, "g", asks)
+        finally:
+            await r.close()
+
+    result = asyncio.run(main())
+    assert result.reward == 1.0 and not result.invalid and [a["tool_name"] for _, _, a in result.turns] == ["run_python", "submit"]
+    def ids(messages, **kwargs):
+        text = tokenizer.apply_chat_template(messages, tools=list(r.app.tools), tokenize=False, **kwargs)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    task = {"statement": "Write a Python function `remainder_ten(n)` that returns the remainder of n divided by 10.",
+            "entry_point": "remainder_ten", "max_turns": 8}
+    opening = [{"role": "system", "content": r.app.system_prompt}, {"role": "user", "content": r.app.render_prompt(task)}]
+    assert asks.prompts[0] == ids(opening, add_generation_prompt=True)  # the tools and the task, by the template
+    conversation = opening + [{"role": "assistant", "content": call("run_python", code="print(6*7)")},
+                              {"role": "tool", "content": "exit code 0\nstdout:\n42\n\nstderr:\n"}]
+    assert asks.prompts[1] == ids(conversation, add_generation_prompt=True)  # the tool's result as the template's tool turn
+    (episode,) = result.episodes
+    assert episode.tokens.tolist() == asks.prompts[1] + tokenizer(call("submit", code=SOLUTION), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def test_an_answer_without_a_tool_call_is_invalid(tmp_path, server, scripted):
+    r = tool_rollouts(tmp_path, scripted, server.url, "rollout.invalid_action_penalty=1.0")
+
+    async def main():
+        try:
+            return await play_game(r, 3, "g", Scripted(r.tokenizer, ["HIT"]))
+        finally:
+            await r.close()
+
+    result = asyncio.run(main())
+    assert result.invalid and result.reward == -1.0 and result.turns[0][2] is None
+
+
+def test_a_template_without_a_tool_format_gets_the_tools_in_the_system_message(tmp_path, server):
+    r = tool_rollouts(tmp_path, build_tiny_model(tmp_path / "tiny", seed=0), server.url)  # its template ignores tools=
+    task = {"statement": "Add.", "entry_point": "f", "max_turns": 2}
+    listed = "\n".join(json.dumps(spec) for spec in r.app.tools)
+    assert '"name": "submit"' in listed and '"required": ["code"]' in listed
+    system = f"{r.app.system_prompt}\n\n{HERMES_TOOLS.format(tools=listed)}"
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": r.app.render_prompt(task)}]
+    text = r.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt_ids(r.app, r.tokenizer, task, True) == r.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_tiny_run_trains_through_the_tool_server(tmp_path, scripted):
+    """`python -m forge_rl.grpo` on the scripted tiny policy, whose answers are often a run_python call: three
+    steps against the tools server it launches. A game's tool call reaches the server and its output (42)
+    is the next turn's prompt; what the trainer scores is what the policy sampled (ratio 1 at age 0)."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "forge_rl.grpo", "--config", str(CONFIG), "app_module=apps.coder.tools_task",
+            f"env.server={SERVER}", f"model.path={scripted}", f"run_dir={run_dir}", "sampling.constrained=false",
+            "sampling.max_tokens=6", "grpo.group_size=4", "grpo.batch_size=2", "trainer.max_steps=3", "eval.interval=0",
+            "rollout.num_workers=2", "env.max_concurrent=8", "trainer.checkpoint_every=0", "rollout.max_turns=3",
+            "logging.samples_every=1"]  # fmt: skip
+    out = subprocess.run(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=1100)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(abs(r["train/ratio_mean"] - 1.0) < 1e-4 for r in rows)
+    games = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    turns = [game["turns"] for game in games]
+    called = [t for t in turns if t[0]["action"] and t[0]["action"]["tool_name"] == "run_python" and len(t) > 1]
+    assert called, turns[:2]
+    assert "42" in called[0][1]["prompt"]  # the tool's output, in the turn after the call
