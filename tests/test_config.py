@@ -177,3 +177,13 @@ def test_parse_cli_rejects_malformed_arguments(capsys):
             parse_cli(argv)
         assert info.value.code == 2
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_generator_timeout_reaches_the_policy_service():
+    """generator.timeout_s bounds each call to a replica (an evaluation's requests travel in one call)."""
+    from forge_rl.engines.vllm.generator import Generator
+
+    cfg = load_config(ROOT / "configs/coder_smollm2_cpu.yaml")
+    assert Generator.replicas(cfg.generator).service_options["call_timeout_s"] == cfg.generator.timeout_s == 1200
+    with pytest.raises(ConfigError, match="generator.timeout_s"):
+        load_config(ROOT / "configs/coder_smollm2_cpu.yaml", ["generator.timeout_s=0"])

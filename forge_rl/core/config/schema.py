@@ -141,9 +141,12 @@ class GeneratorConfig:
     weight_sync: Literal["auto", "shm", "broadcast", "store"] = "auto"  # how weights travel (forge_rl/weights/)
     partial_rollouts: bool = False  # True: a weight update pauses running requests, false: waits for them
     eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU; LoRA runs are eager (engines/vllm/lora_serving.py)
+    # Per call to a replica: one call carries every request then in flight (an evaluation's hundreds at once), and a
+    # replica silent for longer is restarted
+    timeout_s: float = 300.0
 
     def check(self, key):
-        check_positive(self, key, "num_replicas", "procs", "hosts", "max_model_len")
+        check_positive(self, key, "num_replicas", "procs", "hosts", "max_model_len", "timeout_s")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"{key}.gpu_memory_utilization: expected in (0, 1], got {self.gpu_memory_utilization}")
 

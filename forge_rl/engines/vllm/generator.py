@@ -188,7 +188,8 @@ class Generator(ForgeActor):
     @classmethod
     def replicas(cls, config: GeneratorConfig, with_gpus: bool = False, **placement):
         """A generator service's launcher: a process per replica, with `config.procs` GPUs for its engine's ranks."""
-        return cls.options(gpus_per_proc=config.procs, with_gpus=with_gpus, num_replicas=config.num_replicas, **placement)
+        options = {"gpus_per_proc": config.procs, "num_replicas": config.num_replicas, "call_timeout_s": config.timeout_s}
+        return cls.options(with_gpus=with_gpus, **options, **placement)
 
     @endpoint
     async def setup(self) -> None:
