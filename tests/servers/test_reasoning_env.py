@@ -2,6 +2,7 @@
 API's splits, train and test disjoint, the question shown without its answer, the family's verifier scoring."""
 
 import json
+import re
 
 import pytest
 
@@ -37,6 +38,8 @@ def test_no_held_out_question_is_a_training_task_even_in_a_family_of_200_questio
     questions = {split: {server.reset(split=split, index=i, **FAMILY).question for i in range(server.num_tasks(split))}
                  for split in ("train", "test")}  # fmt: skip
     assert len(questions["test"]) >= 10 and len(questions["train"]) >= 150
+    # the generator's options reached it: two one-digit terms ("...problem: 4 - 1 =")
+    assert all(re.fullmatch(r".*: \d [+-] \d =", q) for q in questions["train"] | questions["test"])
     assert not questions["train"] & questions["test"]
     # a reset without a split is a training task drawn from the seed
     drawn = [server.reset(seed=s, **FAMILY).question for s in range(20)]
