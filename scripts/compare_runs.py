@@ -45,7 +45,7 @@ def main() -> None:
     ax.set_xlabel("minutes since the reference evaluation")
     ax.set_ylabel(args.key[0] if len(args.key) == 1 else "value")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="best")
     fig.tight_layout()
     fig.savefig(args.out, dpi=100)
     print(args.out)
