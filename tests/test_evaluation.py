@@ -22,7 +22,6 @@ from forge_rl.rollout.evaluation import Evaluation, pass_at_k, pass_figures
 from forge_rl.rollout.play import answer_token_ids
 from forge_rl.rollout.rollouts import Rollouts
 from forge_rl.rollout.sessions import task_split_sizes
-from forge_rl.runtime.actor import stop
 from forge_rl.weights import control
 
 pytestmark = pytest.mark.timeout(600)
@@ -84,7 +83,7 @@ def evaluated(tmp_path_factory):
             return evaluation, first, rewards, await evaluation()
         finally:
             await rollouts.close()
-            await stop(policy)
+            await policy.stop()  # a service stops itself; runtime.actor.stop is for actors
             await control.stop()
 
     with launch_local(cfg.env.server, env=server_variables(str(data), cfg.app_module, 0.0), max_concurrent_envs=64) as server:
