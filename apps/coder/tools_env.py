@@ -31,8 +31,8 @@ from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservatio
 from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
-from apps.coder.env import MAX_CODE_CHARS, graded, shared_sandbox, verdict
-from apps.coder.task_sets import pick_task, split_tasks, task_set_of
+from apps.coder.env import MAX_CODE_CHARS, graded, served_task, shared_sandbox, verdict
+from apps.coder.task_sets import TaskSplits
 
 MAX_OUTPUT_CHARS = 2_000  # of each stream a tool result shows (the end of it)
 
@@ -47,7 +47,7 @@ class ToolTaskObservation(Observation):
     seed: Optional[int] = None
 
 
-class CodeToolsEnvironment(MCPEnvironment, Environment[CallToolAction, CallToolObservation, State]):
+class CodeToolsEnvironment(TaskSplits, MCPEnvironment, Environment[CallToolAction, CallToolObservation, State]):
     """One task per episode; sessions share only the sandbox (and the grades it remembers)."""
 
     SUPPORTS_CONCURRENT_SESSIONS = True
@@ -80,20 +80,10 @@ class CodeToolsEnvironment(MCPEnvironment, Environment[CallToolAction, CallToolO
         self._max_turns = 8
         self._state = State()
 
-    def list_splits(self) -> list[str]:
-        return list(split_tasks())
-
-    def num_tasks(self, split: str) -> int:
-        return len(split_tasks().get(split, ()))
-
-    def get_task(self, split: str, index: int) -> dict:
-        task = pick_task(task_set_of(split), 0, split=split, index=index)
-        return {"id": task.task_id, "entry_point": task.entry_point}
-
     def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None, split: Optional[str] = None,
               index: Optional[int] = None, max_turns: int = 8, **kwargs: Any) -> ToolTaskObservation:
         seed = secrets.randbits(31) if seed is None else seed
-        self._task = pick_task(task_set_of(split) if split else "functions", seed, split=split, index=index)
+        self._task = served_task(shared_sandbox(), "functions", seed, split=split, index=index)
         self._graded, self._max_turns = None, max(1, max_turns)
         self._state = State(episode_id=episode_id)
         return ToolTaskObservation(task_id=self._task.task_id, statement=self._task.statement,

