@@ -18,9 +18,11 @@ from forge_rl.core.types import Completion
 from forge_rl.envs.local import launch_local
 from forge_rl.models.tiny import build_tiny_model
 from forge_rl.recipes.metrics import read_metrics
+from forge_rl.rollout.agents import EnvRecorder
 from forge_rl.rollout.env_client import EnvSession
 from forge_rl.rollout.play import play_game, prompt_ids
 from forge_rl.rollout.rollouts import Rollouts
+from forge_rl.rollout.segments import Renderer
 from forge_rl.rollout.tools import HERMES_TOOLS, function_specs, list_tools, parse_tool_call, tool_result_text, with_tools
 from tests.chat_helpers import CONFIG, ROOT, build_scripted_model
 
@@ -149,6 +151,8 @@ def test_a_template_without_a_tool_format_gets_the_tools_in_the_system_message(t
     messages = [{"role": "system", "content": system}, {"role": "user", "content": r.app.render_prompt(task)}]
     text = r.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert prompt_ids(r.app, r.tokenizer, task, True) == r.tokenizer(text, add_special_tokens=False)["input_ids"]
+    asked = [{"role": "system", "content": r.app.system_prompt}, {"role": "user", "content": r.app.render_prompt(task)}]
+    assert Renderer(r.tokenizer).render(asked, list(r.app.tools), True) == text  # the chat server's (agent form), too
 
 
 @pytest.mark.slow
@@ -172,3 +176,47 @@ def test_a_tiny_run_trains_through_the_tool_server(tmp_path, scripted):
     called = [t for t in turns if t[0]["action"] and t[0]["action"]["tool_name"] == "run_python" and len(t) > 1]
     assert called, turns[:2]
     assert "42" in called[0][1]["prompt"]  # the tool's output, in the turn after the call
+
+
+def test_an_agent_calls_the_tools_through_the_chat_server(tmp_path, server, scripted):
+    """The agent form (apps/coder/tools_agent.py, an OpenAI-SDK agent): the server's tools reach it as
+    ctx.tools, the policy's tool calls come back parsed by the chat server (hermes), each is a call_tool step,
+    and the environment's grade is the reward. Its prompts are the environment form's, token for token, and
+    the episode trains on exactly the ids sampled."""
+    r = tool_rollouts(tmp_path, scripted, server.url, "app_module=apps.coder.tools_agent", "chat.tool_parser=hermes")
+    assert r.app.is_agent and [t["function"]["name"] for t in r.app.tools] == ["run_python", "submit"]
+    env_form = tool_rollouts(tmp_path, scripted, server.url)
+    asks = Scripted(r.tokenizer, ["I will try. " + call("run_python", code="print(6*7)"), call("submit", code=SOLUTION)])
+
+    async def main():
+        try:
+            return await r.play(3, "g", asks)
+        finally:
+            await r.close()
+
+    result = asyncio.run(main())
+    assert result.reward == 1.0
+    task = {"statement": "Write a Python function `remainder_ten(n)` that returns the remainder of n divided by 10.",
+            "entry_point": "remainder_ten", "max_turns": 8}
+    assert asks.prompts[0] == prompt_ids(env_form.app, r.tokenizer, task, True)  # the same first prompt in both forms
+    assert ":\n42\n" in r.tokenizer.decode(asks.prompts[1][len(asks.prompts[0]):])  # the tool's stdout, next turn
+    (episode,) = result.episodes
+    sampled = [r.tokenizer(text, add_special_tokens=False)["input_ids"] + [r.tokenizer.eos_token_id]
+               for text in ("I will try. " + call("run_python", code="print(6*7)"), call("submit", code=SOLUTION))]
+    assert episode.tokens.tolist() == asks.prompts[1] + sampled[1]
+    assert episode.tokens[episode.loss_mask.bool()].tolist() == sampled[0] + sampled[1]
+
+
+def test_an_agents_tool_call_with_arguments_that_are_not_an_object_is_answered_with_an_error(server):
+    async def main():
+        async with EnvSession(server.url, restore="none") as session:
+            env = EnvRecorder(session)
+            await env.reset(seed=3)
+            bad = await env.call_tool("run_python", "[1, 2]")
+            unparsable = await env.call_tool("run_python", "{code: 1")
+            good = await env.call_tool("run_python", '{"code": "print(1)"}')
+            return bad, unparsable, good, env.done
+
+    bad, unparsable, good, done = asyncio.run(main())
+    assert bad.startswith("error: the arguments of 'run_python' must be a JSON object") and "not JSON" in unparsable
+    assert good.startswith("exit code 0\nstdout:\n1") and not done

@@ -10,7 +10,8 @@ action, and the end of an episode into a reward. It takes one of three forms:
               and the action's answer (envs/dataset.py), the episode's one turn
               ACTIONS (one token each) or ANSWER_VOCABULARY (answers of several tokens): the words
               constrained decoding may sample (sampling.constrained)
-    AgentApp  async run_agent(ctx) -> float | None: an agent written against a chat API (rollout/agents.py)
+    AgentApp  async run_agent(ctx) -> float | None: an agent written against a chat API (rollout/agents.py);
+              with MCP_TOOLS = True it gets the MCPEnvironment's tools as ctx.tools and calls ctx.env.call_tool
     ToolApp   MCP_TOOLS = True and render_prompt(reset observation) -> str: the environment is an OpenEnv
               MCPEnvironment, the policy acts by calling its tools (rollout/tools.py); parse_action defaults to
               the tool-call parser and reward to the environment's (terminal_reward)
@@ -101,7 +102,7 @@ def load_app(name: str, constrained: bool = False, dataset: bool = False) -> App
         name=name,
         render_prompt=getattr(module, "render_prompt", None),
         parse_action=getattr(module, "parse_action", None),
-        reward=terminal_reward if dataset and not agent or tools and not hasattr(module, "reward") else getattr(module, "reward", None),
+        reward=terminal_reward if not agent and (dataset or tools and not hasattr(module, "reward")) else getattr(module, "reward", None),
         run_agent=getattr(module, "run_agent", None),
         answers=answers,
         multi_token_answers=bool(vocabulary),
@@ -109,7 +110,7 @@ def load_app(name: str, constrained: bool = False, dataset: bool = False) -> App
         reference_policies=dict(policies),
         system_prompt=getattr(module, "SYSTEM_PROMPT", None),
         sample_observation=getattr(module, "SAMPLE_OBSERVATION", None),
-        uses_tools=tools and not agent,
+        uses_tools=tools,
     )
 
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from forge_rl.rollout.chat_server import ChatServer
 from forge_rl.rollout.env_client import EpisodeAborted
 from forge_rl.rollout.play import GameResult
+from forge_rl.rollout.tools import call_tool_action, tool_result_text
 
 logger = logging.getLogger("forge_rl.agents")
 
@@ -42,6 +43,21 @@ class EnvRecorder:
         self.last = await self.session.step(action)
         return self.last
 
+    async def call_tool(self, name: str, arguments: Any) -> str:
+        """Call a tool of an MCP tool environment (one step, OpenEnv's CallToolAction) and return its result
+        as the policy reads it (rollout/tools.py); `arguments` as an SDK's tool call gives them (JSON text or a
+        dict). Arguments that are not a JSON object come back as the error text, the episode unchanged."""
+        try:
+            action = call_tool_action(name, arguments)
+        except ValueError as e:
+            return f"error: {e}"
+        return tool_result_text((await self.step(action)).observation)
+
+    @property
+    def done(self) -> bool:
+        """Whether the environment said the episode is over (its last reset or step)."""
+        return bool(self.last is not None and self.last.done)
+
 
 @dataclass
 class AgentContext:
@@ -52,12 +68,14 @@ class AgentContext:
     api_key: str  # any string; the server does not check it
     model: str  # the model name to ask for
     seed: int  # the group's seed: the G agents of a group face the same task
-    env: EnvRecorder | None  # an environment session (reset / step) when the config names an environment
+    env: EnvRecorder | None  # an environment session (reset / step / call_tool) when the config names one
     # The run's HTTP connection pool for the SDKs' `http_client=` (an httpx2.AsyncClient, what openai and
     # anthropic use). A client of its own costs an agent an SSL context (the SDK loads the CA certificates)
     # and a new connection: more than a short agent's requests (docs/chat_agents.md). Owned by the run:
     # an agent that shares it does not close its SDK client. None: the SDK makes its own.
     http_client: Any = None
+    # With MCP_TOOLS: the environment's tools as OpenAI function specs, the SDK's `tools=` (rollout/tools.py).
+    tools: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -114,7 +132,8 @@ async def play_agent(rollouts, seed: int, group_id: str, asks, reset_args: dict 
     try:
         async with rollouts.sessions.session() as session:
             env = EnvRecorder(session, reset_args or cfg.env.reset_args)
-            ctx = AgentContext(f"{base}/v1", base, "forge-rl", cfg.chat.model_name, seed, env, agents.http_client)
+            ctx = AgentContext(f"{base}/v1", base, "forge-rl", cfg.chat.model_name, seed, env, agents.http_client,
+                               [dict(spec) for spec in rollouts.app.tools])
             try:
                 reward = await asyncio.wait_for(rollouts.app.run_agent(ctx), cfg.chat.agent_timeout_s)
             except asyncio.TimeoutError:

@@ -20,7 +20,7 @@ from forge_rl.core.episode import EpisodeRecord
 from forge_rl.core.types import Episode
 from forge_rl.rollout.env_client import EpisodeAborted
 from forge_rl.rollout.segments import end_of_turn
-from forge_rl.rollout.tools import HERMES_TOOLS, is_tool_result, tool_result_text
+from forge_rl.rollout.tools import is_tool_result, tool_result_text, tools_in_system
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +91,7 @@ def _turn_ids(tokenizer, content: str, first_turn: bool, system: str | None, kwa
     if tools:
         with_tools = render(start + [message], add_generation_prompt=True, tools=json.loads(tools))
         if with_tools == text:  # the template has no tool format: the tools go into the system message
-            listed = "\n".join(json.dumps(spec) for spec in json.loads(tools))
-            start = [{"role": "system", "content": "\n\n".join(filter(None, [system, HERMES_TOOLS.format(tools=listed)]))}]
+            start = [{"role": "system", "content": tools_in_system(system, json.loads(tools))}]
             with_tools = render(start + [message], add_generation_prompt=True)
         text = with_tools
     if not first_turn:

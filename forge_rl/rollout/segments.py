@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from forge_rl.core.episode import EpisodeRecord
 from forge_rl.core.types import Completion
+from forge_rl.rollout.tools import tools_in_system
 
 SEAL_REASONS = ("compaction", "assistant_edited", "template_rewrite")
 
@@ -72,6 +73,16 @@ class Renderer:
         self.end_text, self.end_id = end_of_turn(tokenizer)
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+        """The messages by the chat template, with `tools` in its tool format; a template without one (it
+        renders the same text without them) gets them in the system message, as the environment form does."""
+        text = self._apply(messages, tools, generation_prompt)
+        if tools and text == self._apply(messages, None, generation_prompt):
+            system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+            rest = messages[1:] if system is not None else messages
+            text = self._apply([{"role": "system", "content": tools_in_system(system, tools)}, *rest], None, generation_prompt)
+        return text
+
+    def _apply(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
             messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
         )

@@ -7,13 +7,17 @@ the form chat templates and the OpenAI API take. Then each game (play.py):
 
     the first turn     the app's render_prompt(reset observation), with the tools passed to the chat template
                        (`apply_chat_template(..., tools=...)`); a template without a tool format gets them as a
-                       Hermes-style block in the system message instead (HERMES_TOOLS)
+                       Hermes-style block in the system message instead (`tools_in_system`)
     the answer         its first <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes, Qwen) becomes
                        OpenEnv's CallToolAction `{"type": "call_tool", "tool_name", "arguments"}`, sent as a step;
                        an answer without one is invalid (the episode ends, rollout.invalid_action_penalty)
     the next turn      the tool's result (a CallToolObservation: its text content, or the error the server
                        reported) as a `tool` message, rendered by the chat template
     the reward         the environment's: the observation's reward once it says done (terminal_reward)
+
+An agent app (`run_agent`, agents.py) with MCP_TOOLS gets the same tools as `ctx.tools`, the `tools=` of any
+OpenAI SDK, and `ctx.env.call_tool(name, arguments)`; the chat server renders them the same way (segments.py)
+and its tool parser (`chat.tool_parser`) turns the policy's calls into the reply's tool_calls.
 """
 
 from __future__ import annotations
@@ -44,6 +48,13 @@ async def list_tools(url: str, timeout_s: float) -> list[dict[str, Any]]:
         await connection.close()
 
 
+def tools_in_system(system: str | None, tools) -> str:
+    """The system message of a chat template without a tool format: the app's system prompt, then the tools
+    listed as HERMES_TOOLS says (both forms of an app render tools with this one definition)."""
+    listed = "\n".join(json.dumps(spec) for spec in tools)
+    return "\n\n".join(filter(None, [system, HERMES_TOOLS.format(tools=listed)]))
+
+
 def function_specs(tools: list[Mapping[str, Any]]) -> tuple[dict, ...]:
     """MCP tools (or OpenEnv's Tool model, `input_schema`) as the function specs chat templates render."""
     return tuple(
@@ -55,13 +66,26 @@ def function_specs(tools: list[Mapping[str, Any]]) -> tuple[dict, ...]:
 
 async def with_tools(app, url: str, timeout_s: float):
     """The app with the server's tools (for an app with MCP_TOOLS; any other app as it is), and the tool-call
-    parser as its parse_action unless it has its own."""
+    parser as its parse_action unless it has its own (an agent app parses nothing: the chat server does)."""
     if not app.uses_tools:
         return app
     specs = function_specs(await list_tools(url, timeout_s))
     if not specs:
         raise RuntimeError(f"{url}: the environment lists no tools (MCP tools/list), and {app.name} acts only by tools")
-    return dataclasses.replace(app, tools=specs, parse_action=app.parse_action or parse_tool_call)
+    parse = app.parse_action or (None if app.is_agent else parse_tool_call)
+    return dataclasses.replace(app, tools=specs, parse_action=parse)
+
+
+def call_tool_action(name: str, arguments: Mapping | str | None) -> dict:
+    """OpenEnv's CallToolAction for a call an agent's SDK reports (arguments as a JSON object or its text)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except ValueError:
+            raise ValueError(f"the arguments of {name!r} are not JSON: {arguments[:200]!r}") from None
+    if not isinstance(arguments, Mapping):
+        raise ValueError(f"the arguments of {name!r} must be a JSON object, got {arguments!r}"[:300])
+    return {"type": "call_tool", "tool_name": name, "arguments": dict(arguments)}
 
 
 def parse_tool_call(text: str, observation: Any = None) -> dict | None:
