@@ -233,3 +233,37 @@ def test_a_reply_the_grader_cannot_parse_fails_that_call_and_every_later_one():
     in_call = "import os, sys\ndef f(x):\n    if x == 1:\n" + "".join("        " + line + "\n" for line in DEEP_REPLY.splitlines()[1:]) + "    return x + 1\n"
     during = grade(sandbox, in_call, "f", tests)
     assert all(e is not None and "garbled reply" in e for e in during), during
+
+
+def test_reset_arguments_the_server_refuses_stop_the_run_at_start_naming_the_key(server):
+    """An unknown task set (or a split index outside it) in env.reset_args / eval.reset_args stops the run
+    before any engine starts, with one line naming the key and the server's reason (sessions.check_reset_args)."""
+    from forge_rl.core.config import ConfigError, load_config
+    from forge_rl.rollout.sessions import check_reset_args
+
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "coder_smollm2_cpu.yaml")
+
+    def refused(*overrides) -> str:
+        with pytest.raises(ConfigError) as e:
+            asyncio.run(check_reset_args(server.url, load_config(config, list(overrides))))
+        return str(e.value)
+
+    if serves_humaneval(server):
+        asyncio.run(check_reset_args(server.url, load_config(config, [])))  # the committed config passes
+    else:  # its HumanEval evaluation split, where programs could read the tests: refused before the run starts
+        assert refused().startswith("eval.reset_args: ") and "task_set 'humaneval' is refused" in refused()
+    assert refused("env.task_split=null", "env.reset_args.task_set=nope").startswith("env.reset_args: the server at ")
+    assert "task_set must be one of" in refused("env.task_split=null", "env.reset_args.task_set=nope")
+    message = refused("eval.task_split=null", "eval.reset_args.task_set=nope")
+    assert message.startswith("eval.reset_args: ") and "'nope'" in message and "\n" not in message
+
+
+def test_a_run_with_a_task_set_the_server_lacks_stops_at_start_in_one_line(tmp_path):
+    root = os.path.join(os.path.dirname(__file__), "..")
+    out = subprocess.run(
+        [os.sys.executable, "-m", "forge_rl.grpo", "--config", "configs/coder_tiny_cpu.yaml", "env.reset_args.task_set=nope",
+         f"run_dir={tmp_path}/run"], cwd=root, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": root},
+    )  # fmt: skip
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("config error: env.reset_args: the server at ") and "got 'nope'" in last, out.stderr[-2000:]

@@ -1,5 +1,6 @@
 """The run's environment sessions: a pool of open WebSocket sessions reused game after game; the check that a
-running server accepts as many as the pool will hold, and the sizes of the task splits the config names."""
+running server accepts as many as the pool will hold, the sizes of the task splits the config names, and that it
+accepts the config's reset arguments."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import urllib.request
 
 from forge_rl.core.config import ConfigError
 from forge_rl.core.errors import first_line
-from forge_rl.rollout.env_client import EnvSession
+from forge_rl.rollout.env_client import EnvError, EnvSession
 from forge_rl.rollout.wire import task_split_size
 
 logger = logging.getLogger(__name__)
@@ -101,3 +102,21 @@ def task_split_sizes(url: str, cfg) -> dict[str, int]:
             raise ConfigError(f"{key}: {split!r} {what}")
         sizes[split] = size
     return sizes
+
+
+async def check_reset_args(url: str, cfg) -> None:
+    """Reset once with each set of arguments the run will send: env.reset_args (on the first task of
+    env.task_split), then eval.reset_args over them (on each eval split). A server that refuses one (an
+    unknown task set, a bad option) stops the run here, before any engine starts, with one line naming the key
+    and the server's reason; otherwise every game would be lost to the same error, one group at a time."""
+    train = {**cfg.env.reset_args, **({"split": cfg.env.task_split, "index": 0} if cfg.env.task_split else {})}
+    evaluation = {**cfg.env.reset_args, **cfg.eval.reset_args}
+    checks = [("env.reset_args", train)] + [
+        ("eval.reset_args", {**evaluation, **({"split": split, "index": 0} if split else {})}) for split in cfg.eval.splits
+    ] if cfg.eval.interval else [("env.reset_args", train)]
+    async with EnvSession(url, timeout_s=cfg.env.timeout_s, restore="none") as session:
+        for key, arguments in checks:
+            try:
+                await session.reset(seed=cfg.seed, **arguments)
+            except EnvError as e:
+                raise ConfigError(f"{key}: the server at {url} refuses reset({arguments}): {first_line(e)}") from None

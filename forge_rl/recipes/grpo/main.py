@@ -42,7 +42,7 @@ from forge_rl.recipes.metrics import MetricsLogger, plot_curves
 from forge_rl.rollout.evaluation import Evaluation, figures
 from forge_rl.rollout.play import answer_token_ids
 from forge_rl.rollout.rollouts import Rollouts
-from forge_rl.rollout.sessions import fit_sessions_to_server, task_split_sizes
+from forge_rl.rollout.sessions import check_reset_args, fit_sessions_to_server, task_split_sizes
 from forge_rl.rollout.tools import with_tools
 from forge_rl.runtime.actor import call, start_all, stop
 from forge_rl.runtime.provisioner import get_provisioner
@@ -166,6 +166,7 @@ async def main(cfg: RunConfig) -> None:
             size = fit_sessions_to_server(url, cfg.env.max_concurrent, cfg.grpo.group_size, cfg.env.timeout_s, cfg.env.queue_sessions)
             cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, max_concurrent=size))
         num_tasks = task_split_sizes(url, cfg)  # a split the server lacks stops here, naming the key
+        await check_reset_args(url, cfg)  # so do reset arguments it refuses
         app = await with_tools(app, url, cfg.env.timeout_s)  # MCP_TOOLS: the server's tools, listed once
         job = await start(cfg, app, url)
         job.rollouts.num_tasks = num_tasks
