@@ -220,3 +220,24 @@ def test_an_agents_tool_call_with_arguments_that_are_not_an_object_is_answered_w
     bad, unparsable, good, done = asyncio.run(main())
     assert bad.startswith("error: the arguments of 'run_python' must be a JSON object") and "not JSON" in unparsable
     assert good.startswith("exit code 0\nstdout:\n1") and not done
+
+
+def test_fenced_blocks_call_the_tools_for_a_model_without_a_tool_format(tmp_path, server, scripted):
+    """apps/coder/tools_blocks_task.py (SmolLM2's tool app): a ```run block calls run_python, whose output is the
+    next turn; a ```python block calls submit, whose grade is the reward; an answer without a block is invalid."""
+    from apps.coder.tools_blocks_task import parse_action
+
+    assert parse_action("text\n```run\nprint(1)\n```\n") == {"type": "call_tool", "tool_name": "run_python", "arguments": {"code": "print(1)\n"}}
+    assert parse_action("```python\ndef f(): pass\n```\n")["tool_name"] == "submit" and parse_action("no block") is None
+    r = tool_rollouts(tmp_path, scripted, server.url, "app_module=apps.coder.tools_blocks_task")
+    asks = Scripted(r.tokenizer, ["Let me try.\n```run\nprint(6*7)\n```\n", f"```python\n{SOLUTION}```\n"])
+
+    async def main():
+        try:
+            return await play_game(r, 3, "g", asks)
+        finally:
+            await r.close()
+
+    result = asyncio.run(main())
+    assert [a["tool_name"] for _, _, a in result.turns] == ["run_python", "submit"] and result.reward == 1.0
+    assert ":\n42\n" in r.tokenizer.decode(asks.prompts[1][len(asks.prompts[0]):])
