@@ -100,19 +100,25 @@ class Scripted:
                           finish_reason="stop", policy_version=1)  # fmt: skip
 
 
+def played(r: Rollouts, asks, game=play_game):
+    """One game (or agent run) of `r` on seed 3 with the scripted answers `asks`; the rollouts closed after."""
+
+    async def main():
+        try:
+            return await game(r, 3, "g", asks)
+        finally:
+            await r.close()
+
+    return asyncio.run(main())
+
+
 def test_a_game_calls_the_tools_and_earns_the_environments_reward(tmp_path, server, scripted):
     r = tool_rollouts(tmp_path, scripted, server.url)
     assert r.app.parse_action is parse_tool_call and r.app.reward is terminal_reward
     tokenizer = r.tokenizer
     asks = Scripted(tokenizer, [call("run_python", code="print(6*7)"), call("submit", code=SOLUTION)])
 
-    async def main():
-        try:
-            return await play_game(r, 3, "g", asks)
-        finally:
-            await r.close()
-
-    result = asyncio.run(main())
+    result = played(r, asks)
     assert result.reward == 1.0 and not result.invalid and [a["tool_name"] for _, _, a in result.turns] == ["run_python", "submit"]
     def ids(messages, **kwargs):
         text = tokenizer.apply_chat_template(messages, tools=list(r.app.tools), tokenize=False, **kwargs)
@@ -132,13 +138,7 @@ def test_a_game_calls_the_tools_and_earns_the_environments_reward(tmp_path, serv
 def test_an_answer_without_a_tool_call_is_invalid(tmp_path, server, scripted):
     r = tool_rollouts(tmp_path, scripted, server.url, "rollout.invalid_action_penalty=1.0")
 
-    async def main():
-        try:
-            return await play_game(r, 3, "g", Scripted(r.tokenizer, ["HIT"]))
-        finally:
-            await r.close()
-
-    result = asyncio.run(main())
+    result = played(r, Scripted(r.tokenizer, ["HIT"]))
     assert result.invalid and result.reward == -1.0 and result.turns[0][2] is None
 
 
@@ -188,13 +188,7 @@ def test_an_agent_calls_the_tools_through_the_chat_server(tmp_path, server, scri
     env_form = tool_rollouts(tmp_path, scripted, server.url)
     asks = Scripted(r.tokenizer, ["I will try. " + call("run_python", code="print(6*7)"), call("submit", code=SOLUTION)])
 
-    async def main():
-        try:
-            return await r.play(3, "g", asks)
-        finally:
-            await r.close()
-
-    result = asyncio.run(main())
+    result = played(r, asks, Rollouts.play)
     assert result.reward == 1.0
     task = {"statement": "Write a Python function `remainder_ten(n)` that returns the remainder of n divided by 10.",
             "entry_point": "remainder_ten", "max_turns": 8}
@@ -232,12 +226,6 @@ def test_fenced_blocks_call_the_tools_for_a_model_without_a_tool_format(tmp_path
     r = tool_rollouts(tmp_path, scripted, server.url, "app_module=apps.coder.tools_blocks_task")
     asks = Scripted(r.tokenizer, ["Let me try.\n```run\nprint(6*7)\n```\n", f"```python\n{SOLUTION}```\n"])
 
-    async def main():
-        try:
-            return await play_game(r, 3, "g", asks)
-        finally:
-            await r.close()
-
-    result = asyncio.run(main())
+    result = played(r, asks)
     assert [a["tool_name"] for _, _, a in result.turns] == ["run_python", "submit"] and result.reward == 1.0
     assert ":\n42\n" in r.tokenizer.decode(asks.prompts[1][len(asks.prompts[0]):])

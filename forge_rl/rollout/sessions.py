@@ -109,11 +109,13 @@ async def check_reset_args(url: str, cfg) -> None:
     env.task_split), then eval.reset_args over them (on each eval split). A server that refuses one (an
     unknown task set, a bad option) stops the run here, before any engine starts, with one line naming the key
     and the server's reason; otherwise every game would be lost to the same error, one group at a time."""
-    train = {**cfg.env.reset_args, **({"split": cfg.env.task_split, "index": 0} if cfg.env.task_split else {})}
-    evaluation = {**cfg.env.reset_args, **cfg.eval.reset_args}
-    checks = [("env.reset_args", train)] + [
-        ("eval.reset_args", {**evaluation, **({"split": split, "index": 0} if split else {})}) for split in cfg.eval.splits
-    ] if cfg.eval.interval else [("env.reset_args", train)]
+    def on_first_task(arguments: dict, split: str | None) -> dict:
+        return {**arguments, "split": split, "index": 0} if split else arguments
+
+    checks = [("env.reset_args", on_first_task(cfg.env.reset_args, cfg.env.task_split))]
+    if cfg.eval.interval:
+        evaluation = {**cfg.env.reset_args, **cfg.eval.reset_args}
+        checks += [("eval.reset_args", on_first_task(evaluation, split)) for split in cfg.eval.splits]
     async with EnvSession(url, timeout_s=cfg.env.timeout_s, restore="none") as session:
         for key, arguments in checks:
             try:
