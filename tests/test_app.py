@@ -240,10 +240,10 @@ def test_the_bars_time_estimate_leaves_out_the_first_steps_warm_up():
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory) -> tuple[Path, str]:
-    """Three steps, evaluations at steps 0, 2 and 3, training samples every 2 steps, W&B offline: the run
-    directory and the console (stdout and stderr)."""
+    """Three steps of two minibatches each, evaluations at steps 0, 2 and 3, training samples every 2 steps,
+    W&B offline: the run directory and the console (stdout and stderr)."""
     run_dir = tmp_path_factory.mktemp("short") / "run"
-    proc = app(run_dir, "trainer.max_steps=3", "trainer.checkpoint_every=0", "logging.samples_every=2",
+    proc = app(run_dir, "trainer.max_steps=3", "trainer.checkpoint_every=0", "logging.samples_every=2", "grpo.minibatches=2",
                "logging.wandb_project=samples", WANDB_MODE="offline", WANDB_SILENT="true")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
@@ -268,6 +268,17 @@ def test_a_run_logs_games_as_text_at_each_evaluation_and_every_samples_every_ste
     assert b"samples/train" in events.read_bytes() and b"samples/eval" in events.read_bytes()
     tables = sorted(run_dir.glob("wandb/offline-run-*/files/media/table/samples/*.table.json"))
     assert {t.name.split("_")[0] for t in tables} == {"eval", "train"} and "[answer]" in tables[0].read_text(), tables
+
+
+def test_each_minibatch_is_an_optimizer_step_whose_ratio_the_clip_bounds(short_run):
+    """grpo.minibatches=2: two optimizer steps per batch, weights out once. The second trains on answers the
+    first step's weights would sample differently, so its ratio leaves 1 and PPO's clip acts; with one step
+    per batch the ratio is 1 up to numerics and the clip never acts (as in the steps of the default run)."""
+    run_dir, _ = short_run
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "train/loss" in s]
+    assert [s["train/optimizer_steps"] for s in steps] == [2, 2, 2] and [s["train/policy_version"] for s in steps] == [1, 2, 3]
+    assert max(s["train/clip_fraction"] for s in steps) > 0, [s["train/clip_fraction"] for s in steps]
 
 
 VLLM_LINE = re.compile(r"(DEBUG|INFO|WARNING|ERROR) \d\d-\d\d \d\d:\d\d:\d\d \[|EngineCore|VllmWorker|\(Worker pid=")

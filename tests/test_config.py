@@ -87,6 +87,8 @@ def write(tmp_path, text):
         (["grpo.estimator=ppo", "grpo.gae_lambda=-0.1"], r"grpo\.gae_lambda: expected 0 <= gae_lambda <= 1"),
         (["grpo.estimator=ppo", "grpo.value_coef=0"], r"grpo\.value_coef: expected > 0 with estimator ppo"),
         (["grpo.value_coef=-1"], r"grpo\.value_coef: expected >= 0"),
+        (["grpo.minibatches=0"], r"grpo\.minibatches: expected > 0"),
+        (["grpo.batch_size=4", "grpo.minibatches=5"], r"grpo\.minibatches: each holds whole groups, so at most batch_size \(4\)"),
         (["grpo.estimator=ppo", "grpo.turn_credit=1"], r"grpo\.turn_credit: compares a group's rewards; ppo's baseline is the value head's"),
         (["grpo.estimator=ppo", "grpo.group_size=0"], r"grpo\.group_size: expected > 0"),
         (["grpo.normalize_std=true"], r"grpo\.normalize_std: replaced by grpo\.estimator: grpo divides by the group's std, dr_grpo does not"),

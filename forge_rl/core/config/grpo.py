@@ -52,6 +52,12 @@ class GRPOConfig:
     group_size: int = 4  # games per group, dealt from the same seed
     batch_size: int = 64  # groups per train step
     max_policy_age: int = 1  # drop data sampled more than this many versions ago
+    # PPO's passes over a batch (Schulman et al. 2017): `epochs` passes of `minibatches` optimizer steps each, every
+    # minibatch whole groups; weights go out once per batch, generation still plays the whole batch at once.
+    # From the second optimizer step on the ratio to the behaviour policy leaves 1 and the clip can act; with
+    # 1 and 1 (GRPO's one step per batch) the ratio is 1 at the step and the clip never acts
+    minibatches: int = 1
+    epochs: int = 1
     # The advantage estimator (core/estimators/): grpo (group mean and std), dr_grpo (group mean), rloo
     # (leave-one-out mean), reinforce_pp (group mean, the batch's std), ppo (a value head's baseline per turn, GAE)
     estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"] = "dr_grpo"
@@ -98,7 +104,9 @@ class GRPOConfig:
     def check(self, key):
         if self.group_size < 2 and self.estimator != "ppo":
             raise ConfigError(f"{key}.group_size: expected >= 2 (advantages compare a group; ppo needs none), got {self.group_size}")
-        check_positive(self, key, "batch_size", "group_size")
+        check_positive(self, key, "batch_size", "group_size", "minibatches", "epochs")
+        if self.minibatches > self.batch_size:
+            raise ConfigError(f"{key}.minibatches: each holds whole groups, so at most batch_size ({self.batch_size}), got {self.minibatches}")
         for name in ("gamma", "gae_lambda"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(f"{key}.{name}: expected 0 <= {name} <= 1, got {getattr(self, name)}")

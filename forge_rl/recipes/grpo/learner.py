@@ -1,7 +1,7 @@
 """Learner: the training side of one step, on the controller.
 
-    batch --> reference log-probs (kl_coef > 0) --> Trainer.train_step --> push_weights(v) --> every generator
-          --> version v-1 dropped from TorchStore
+    batch --> reference log-probs (kl_coef > 0) --> Trainer.train_step (per minibatch, per epoch)
+          --> push_weights(v) --> every generator --> version v-1 dropped from TorchStore
 
 It owns the trainer and reference handles and the self-imitation pool; the version it is told to publish
 is the recipe's (state.py).
@@ -34,6 +34,23 @@ def token_age_figures(batch: list[Episode], trained_version: int) -> dict[str, f
     }
 
 
+def minibatches(batch: list[Episode], n: int) -> list[list[int]]:
+    """Indices of `batch` in n parts of whole groups (a group's advantages compare its own games), in the
+    order the groups came, their numbers of groups differing by at most one."""
+    groups = list(dict.fromkeys(e.group_id for e in batch))
+    parts = [set(groups[len(groups) * i // n : len(groups) * (i + 1) // n]) for i in range(n)]
+    return [[i for i, e in enumerate(batch) if e.group_id in part] for part in parts if part]
+
+
+def merged(steps: list[dict[str, float]]) -> dict[str, float]:
+    """One step's figures from its optimizer steps': extremes as extremes, the rest averaged."""
+    out = {}
+    for k in dict.fromkeys(k for s in steps for k in s):
+        values = [s[k] for s in steps if k in s]
+        out[k] = max(values) if "max" in k else min(values) if "min" in k else sum(values) / len(values)
+    return out
+
+
 class Learner:
     def __init__(self, cfg: RunConfig, trainer, policy, reference=None):
         self.cfg, self.trainer, self.policy, self.reference = cfg, trainer, policy, reference
@@ -52,8 +69,13 @@ class Learner:
         if self.imitation is not None:
             self.imitation.add_batch(batch)
             imitate = self.imitation.sample(self.cfg.grpo.self_imitation.episodes)
-        timeout_s = self.cfg.trainer.timeout_s
-        trained = await call(self.trainer, "train_step", batch, ref_logprobs, imitate, timeout_s=timeout_s)
+        timeout_s, steps = self.cfg.trainer.timeout_s, []
+        for _ in range(self.cfg.grpo.epochs):
+            for part in minibatches(batch, self.cfg.grpo.minibatches):
+                ref = [ref_logprobs[i] for i in part] if isinstance(ref_logprobs, list) else ref_logprobs
+                episodes = [batch[i] for i in part]
+                steps.append(await call(self.trainer, "train_step", episodes, ref, None if steps else imitate, timeout_s=timeout_s))
+        trained = merged(steps)
         after_train = time.perf_counter()
         push_times = await self.publish(version)
         if version - 1 >= 1:  # version 0 is the model directory itself; older versions are no longer served
@@ -69,6 +91,7 @@ class Learner:
             "train/mixed_version_episodes": sum(len(set(e.token_versions[e.loss_mask.bool()].tolist())) > 1 for e in batch) / len(batch),
             **token_age_figures(batch, version - 1),
             "train/policy_version": version,
+            "train/optimizer_steps": len(steps),  # grpo.epochs x grpo.minibatches
             "time/train_step_s": after_train - clock,
         })
         figures.update(push_times)

@@ -84,7 +84,7 @@ async def start(cfg: RunConfig, app: App, url: str) -> Job:
             model_path, cfg.model.dtype, dataclasses.replace(cfg.generator, eager=True) if cfg.trainer.lora else cfg.generator, cfg.seed
         ),
         Trainer.options(procs=cfg.trainer.procs, with_gpus=gpus, hosts=cfg.trainer.hosts, role="trainer").as_actor(
-            model_path, GRPOLoss(cfg.grpo, cfg.sampling.max_tokens), cfg.trainer.optimizer, cfg.trainer.max_steps, cfg.model.dtype,
+            model_path, GRPOLoss(cfg.grpo, cfg.sampling.max_tokens), cfg.trainer.optimizer, optimizer_steps(cfg), cfg.model.dtype,
             weight_sync=sync.kind, lora=cfg.trainer.lora, **scoring,
         ),
         ReplayBufferActor.options().as_actor(  # synchronous: on-policy, no group of an older version is kept
@@ -116,6 +116,11 @@ async def start(cfg: RunConfig, app: App, url: str) -> Job:
         stopping=asyncio.Event(),
         in_flight=None if cfg.synchronous else InFlight(cfg.grpo.max_policy_age),
     )
+
+
+def optimizer_steps(cfg: RunConfig) -> int:
+    """The LR schedule's length: every batch takes grpo.epochs x grpo.minibatches optimizer steps."""
+    return cfg.trainer.max_steps * cfg.grpo.epochs * cfg.grpo.minibatches
 
 
 async def _none() -> None:
