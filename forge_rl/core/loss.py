@@ -228,6 +228,13 @@ def grpo_loss(
     return loss, {k: v.detach().float() for k, v in metrics.items()}
 
 
+def reduction(name: str) -> str:
+    """How a loss metric combines across micro-batches, ranks and a batch's optimizer steps: "min" for names
+    like `ratio_min` or `ratio_min/age_0`, "max" likewise, else a mean."""
+    head = name.split("/")[0]
+    return "min" if head.endswith("_min") else "max" if head.endswith("_max") else "mean"
+
+
 # ---------------------------------------------------------------------------- the value loss
 
 

@@ -31,6 +31,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 
 from forge_rl.compat.torch import set_scheduler_lr
 from forge_rl.core.config import LoraConfig, OptimizerConfig
+from forge_rl.core.loss import reduction
 from forge_rl.core.types import Episode
 from forge_rl.engines.titan import lora
 from forge_rl.engines.titan.export import export_hf
@@ -48,13 +49,6 @@ from forge_rl.engines.titan.value_head import NAME as VALUE_HEAD, has_value_head
 from forge_rl.runtime.actor import ForgeActor
 from forge_rl.weights import make_publisher
 from forge_rl.weights.shm import drain
-
-
-def reduction(name: str) -> str:
-    """How a loss metric combines across micro-batches and ranks: "min" for names like `ratio_min` or
-    `ratio_min/age_0`, "max" likewise, else a mean weighted by the piece's `num_tokens`."""
-    head = name.split("/")[0]
-    return "min" if head.endswith("_min") else "max" if head.endswith("_max") else "mean"
 
 
 class Trainer(ForgeActor):

@@ -14,6 +14,7 @@ import time
 import torch
 
 from forge_rl.core.config import RunConfig
+from forge_rl.core.loss import reduction
 from forge_rl.core.types import Episode
 from forge_rl.recipes.grpo.self_imitation import ImitationPool
 from forge_rl.runtime.actor import call
@@ -43,11 +44,12 @@ def minibatches(batch: list[Episode], n: int) -> list[list[int]]:
 
 
 def merged(steps: list[dict[str, float]]) -> dict[str, float]:
-    """One step's figures from its optimizer steps': extremes as extremes, the rest averaged."""
+    """One step's figures from its optimizer steps': extremes as extremes, the rest averaged (core/loss.py
+    `reduction`, as the trainer combines its micro-batches)."""
+    combine = {"min": min, "max": max, "mean": lambda values: sum(values) / len(values)}
     out = {}
-    for k in dict.fromkeys(k for s in steps for k in s):
-        values = [s[k] for s in steps if k in s]
-        out[k] = max(values) if "max" in k else min(values) if "min" in k else sum(values) / len(values)
+    for k in dict.fromkeys(k for s in steps for k in s):  # every figure any step gave, in order
+        out[k] = combine[reduction(k)]([s[k] for s in steps if k in s])
     return out
 
 
@@ -69,9 +71,9 @@ class Learner:
         if self.imitation is not None:
             self.imitation.add_batch(batch)
             imitate = self.imitation.sample(self.cfg.grpo.self_imitation.episodes)
-        timeout_s, steps = self.cfg.trainer.timeout_s, []
+        timeout_s, steps, parts = self.cfg.trainer.timeout_s, [], minibatches(batch, self.cfg.grpo.minibatches)
         for _ in range(self.cfg.grpo.epochs):
-            for part in minibatches(batch, self.cfg.grpo.minibatches):
+            for part in parts:
                 ref = [ref_logprobs[i] for i in part] if isinstance(ref_logprobs, list) else ref_logprobs
                 episodes = [batch[i] for i in part]
                 steps.append(await call(self.trainer, "train_step", episodes, ref, None if steps else imitate, timeout_s=timeout_s))
