@@ -62,6 +62,7 @@ def test_only_adapters_train_and_the_base_model_stays_the_reference(tiny):
     trainer = trainer_in_process(tiny, LoraConfig(rank=4))
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_" in n for n in trainable)
+    assert "_LoraLinearBackward" in graph(trainer.model(torch.arange(8)[None])), "the layers are fused (compat/peft.py)"
     base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if n not in trainable}
     batch = batch_for(100)
     asyncio.run(Trainer.train_step._method(trainer, batch, None))
@@ -346,3 +347,58 @@ def test_in_bf16_the_generator_serves_the_adapters_as_the_trainer_computes_them(
 
 
 LORA_BF16_LR = 3e-4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_lora_layer_is_one_autograd_node_computing_pefts_function_and_gradients(dtype):
+    """compat/peft.py: a plain LoRA linear layer accumulates its adapter product into the base output within
+    the matmul (no pass over the output for the scale, the sum or their backward): one autograd node, with
+    PEFT's own forward's output and gradients (every input's, the base weight and bias too when they train),
+    in fp32 and under bf16 autocast."""
+    import peft
+
+    from forge_rl.compat.peft import fuse_lora_layers
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("proj", torch.nn.Linear(24, 40, bias=True))
+    peft.inject_adapter_in_model(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["proj"]), model)
+    layer = model.proj
+    torch.nn.init.normal_(layer.lora_B["default"].weight)  # PEFT starts B at zero: the product would vanish
+    layer.base_layer.weight.requires_grad_(True)
+    layer.base_layer.bias.requires_grad_(True)
+    x = torch.randn(3, 5, 24)
+
+    def run():
+        inputs = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            out = model(inputs)
+        (out.float() * torch.linspace(-1, 1, 40)).sum().backward()
+        grads = [inputs.grad, *(p.grad for p in model.parameters())]
+        model.zero_grad(set_to_none=True)
+        return out, grads
+
+    peft_out, peft_grads = run()
+    assert fuse_lora_layers(model) == 1
+    out, grads = run()
+    assert graph(out) == {"_LoraLinearBackward"}, graph(out)  # no multiply, no sum over the output
+    assert out.dtype == peft_out.dtype and out.shape == peft_out.shape
+    bound = {"float32": 1e-5, "bfloat16": 5e-2}[dtype]  # bf16: PEFT rounds each of its three steps
+    torch.testing.assert_close(out.float(), peft_out.float(), atol=bound, rtol=bound)
+    assert len(grads) == len(peft_grads) == 5
+    for mine, theirs in zip(grads, peft_grads):
+        torch.testing.assert_close(mine.float(), theirs.float(), atol=bound, rtol=bound)
+
+    layer.enable_adapters(False)  # adapters off: PEFT's forward, the base layer alone
+    torch.testing.assert_close(model(x), torch.nn.functional.linear(x, layer.base_layer.weight, layer.base_layer.bias))
+
+
+def graph(out: torch.Tensor) -> set[str]:
+    """The autograd nodes behind `out`, less views, the inputs' casts to the autocast dtype and leaves."""
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and "View" not in type(node).__name__ and type(node).__name__ not in ("AccumulateGrad", "ToCopyBackward0"):
+            seen.add(type(node).__name__)
+        todo += [] if node is None else [n for n, _ in node.next_functions]
+    return seen

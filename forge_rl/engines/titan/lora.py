@@ -3,7 +3,8 @@
 `trainer.lora: {rank, alpha, dropout, target_modules}` (target_modules in HF names: q_proj ... down_proj).
 PEFT wraps each targeted linear layer: its frozen weight moves to `<layer>.base_layer.weight`, beside
 `lora_A.default.weight` [r, in] and `lora_B.default.weight` [out, r]; the layer computes
-base(x) + scale * B(A(dropout(x))) with scale = alpha / rank. Every other parameter is frozen, so only the
+base(x) + scale * B(A(dropout(x))) with scale = alpha / rank (without dropout as one autograd node:
+compat/peft.py). Every other parameter is frozen, so only the
 adapters train and only they have optimizer state. With the adapters switched off the model is the base
 model: the reference policy of the KL term, with no second copy.
 
@@ -41,9 +42,12 @@ def apply_lora(model: torch.nn.Module, adapter, config) -> None:
     """Wrap the targeted linear layers of `model` (on any device, meta included) with PEFT's LoRA layers."""
     import peft
 
+    from forge_rl.compat.peft import fuse_lora_layers
+
     targets = titan_targets(adapter, list(config.target_modules))
     lora = peft.LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, target_modules=targets)
     peft.inject_adapter_in_model(lora, model)
+    fuse_lora_layers(model)  # the same function, without passes over each layer's output (compat/peft.py)
 
 
 def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
