@@ -22,9 +22,10 @@ def test_minibatches_hold_whole_groups_in_the_order_they_came():
     assert len(minibatches(batch, 9)) == 4, "never an empty minibatch"
 
 
-def test_a_steps_figures_merge_extremes_as_extremes_and_average_the_rest():
-    steps = [{"loss": 1.0, "ratio_max": 1.5, "ratio_min": 0.9, "imitation_nll": 2.0}, {"loss": 3.0, "ratio_max": 1.1, "ratio_min": 0.7}]
-    assert merged(steps) == {"loss": 2.0, "ratio_max": 1.5, "ratio_min": 0.7, "imitation_nll": 2.0}
+def test_a_steps_figures_sum_counts_merge_extremes_as_extremes_and_average_the_rest():
+    steps = [{"loss": 1.0, "ratio_max": 1.5, "ratio_min": 0.9, "imitation_nll": 2.0, "forward_tokens": 300, "num_tokens": 20},
+             {"loss": 3.0, "ratio_max": 1.1, "ratio_min": 0.7, "forward_tokens": 200, "num_tokens": 10}]
+    assert merged(steps) == {"loss": 2.0, "ratio_max": 1.5, "ratio_min": 0.7, "imitation_nll": 2.0, "forward_tokens": 500, "num_tokens": 30}
 
 
 def test_the_lr_schedule_spans_every_optimizer_step():
