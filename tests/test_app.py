@@ -100,15 +100,19 @@ def shared_memory() -> set[str]:
 def leftovers(shm_before: set[str]) -> list[str]:
     """Objects in /dev/shm that appeared since `shm_before` and that no live process has open or mapped,
     twice 5 s apart (so another program's segments in use, or being set up, are not counted), and weights
-    files in the temp dir."""
+    files in the temp dir. Called once the run's processes have ended: a multiprocessing semaphore
+    (sem.mp-*) left while some multiprocessing resource tracker lives is another program's (a parallel
+    test's), which its tracker unlinks when that program ends."""
 
     def unused() -> set[str]:
-        in_use = set()
+        in_use, trackers = set(), False
         for p in psutil.process_iter():
             with contextlib.suppress(psutil.Error):
                 in_use.update(m.path for m in p.memory_maps(grouped=True))
                 in_use.update(f.path for f in p.open_files())
-        return {f"/dev/shm/{name}" for name in shared_memory() - shm_before} - in_use
+                trackers = trackers or "multiprocessing.resource_tracker" in " ".join(p.cmdline())
+        new = {name for name in shared_memory() - shm_before if not (trackers and name.startswith("sem.mp-"))}
+        return {f"/dev/shm/{name}" for name in new} - in_use
 
     found = unused()
     if found:
