@@ -228,11 +228,14 @@ def grpo_loss(
     return loss, {k: v.detach().float() for k, v in metrics.items()}
 
 
+COUNTS = ("num_tokens", "forward_tokens", "imitation_episodes")  # what was done in all
+
+
 def reduction(name: str) -> str:
-    """How a loss metric combines across micro-batches, ranks and a batch's optimizer steps: "min" for names
-    like `ratio_min` or `ratio_min/age_0`, "max" likewise, else a mean."""
+    """How a loss metric combines across micro-batches, ranks and a batch's optimizer steps: "sum" for the
+    COUNTS, "min" for names like `ratio_min` or `ratio_min/age_0`, "max" likewise, else a mean."""
     head = name.split("/")[0]
-    return "min" if head.endswith("_min") else "max" if head.endswith("_max") else "mean"
+    return "sum" if name in COUNTS else "min" if head.endswith("_min") else "max" if head.endswith("_max") else "mean"
 
 
 # ---------------------------------------------------------------------------- the value loss

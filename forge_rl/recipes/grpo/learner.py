@@ -43,16 +43,13 @@ def minibatches(batch: list[Episode], n: int) -> list[list[int]]:
     return [[i for i, e in enumerate(batch) if e.group_id in part] for part in parts if part]
 
 
-COUNTS = ("num_tokens", "forward_tokens", "imitation_episodes")  # what the step did in all: summed
-
-
 def merged(steps: list[dict[str, float]]) -> dict[str, float]:
     """One step's figures from its optimizer steps': counts summed, extremes as extremes, the rest averaged
     (core/loss.py `reduction`, as the trainer combines its micro-batches)."""
     combine = {"sum": sum, "min": min, "max": max, "mean": lambda values: sum(values) / len(values)}
     out = {}
     for k in dict.fromkeys(k for s in steps for k in s):  # every figure any step gave, in order
-        out[k] = combine["sum" if k in COUNTS else reduction(k)]([s[k] for s in steps if k in s])
+        out[k] = combine[reduction(k)]([s[k] for s in steps if k in s])
     return out
 
 
