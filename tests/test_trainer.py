@@ -1,9 +1,10 @@
 """Trainer and ReferenceModel as real Monarch actors on the tiny Qwen3 (CPU, fp32, gloo).
 
-The actors are module-scoped (spawning costs seconds), so the tests run in file order and each
-one continues from the state the previous one left: before any update -> first steps ->
-repeated steps -> checkpoint -> weights out. The last tests run a Trainer and a ReferenceModel
-in this process (no Monarch) to check the batch layout and the train step alone.
+The actors are module-scoped (spawning costs seconds) and shared by the tests, which must not rely on one
+another's order (xdist's worksteal may run any of them first, or alone): what must be seen before any update
+is taken when the actors start, a test that needs untrained twins starts its own, and a test that needs
+trained weights trains them itself. The last tests run a Trainer and a ReferenceModel in this process (no
+Monarch) to check the batch layout and the train step alone.
 """
 
 import asyncio
@@ -57,22 +58,51 @@ def model_dir(tmp_path_factory):
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0))
 
 
+async def start_trainers(model_dir):
+    """A 1-rank and a 2-rank (FSDP2) trainer on the same weights."""
+    return await asyncio.gather(
+        Trainer.options(procs=1).as_actor(model_dir, GRPOLoss(GRPO), OPTIM, micro_batch_size=2),
+        Trainer.options(procs=2).as_actor(model_dir, GRPOLoss(GRPO), OPTIM, micro_batch_size=2),
+    )
+
+
 @pytest.fixture(scope="module")
-def actors(loop, model_dir):
+def started(loop, model_dir):
+    """The shared actors, and their log-probs of make_batch() taken before any test can train them."""
+    from types import SimpleNamespace
+
     async def start():
-        one, two, ref, _ = await asyncio.gather(
-            Trainer.options(procs=1).as_actor(model_dir, GRPOLoss(GRPO), OPTIM, micro_batch_size=2),
-            Trainer.options(procs=2).as_actor(model_dir, GRPOLoss(GRPO), OPTIM, micro_batch_size=2),
+        (one, two), ref, _ = await asyncio.gather(
+            start_trainers(model_dir),
             ReferenceModel.options(num_replicas=1).as_service(model_dir, micro_batch_size=2),
             control.start(),
         )
-        return one, two, ref
+        ids = [e.tokens for e in make_batch()]
+        before = await ref.route("logprobs", ids), await one.logprobs.call_one(ids), ranks(await two.logprobs.call(ids))
+        return SimpleNamespace(one=one, two=two, ref=ref, before=before)
 
-    one, two, ref = loop.run_until_complete(start())
-    yield one, two, ref
+    actors = loop.run_until_complete(start())
+    yield actors
 
     async def finish():
-        await asyncio.gather(stop(one), stop(two), ref.stop(), control.stop())
+        await asyncio.gather(stop(actors.one), stop(actors.two), actors.ref.stop(), control.stop())
+
+    loop.run_until_complete(finish())
+
+
+@pytest.fixture(scope="module")
+def actors(started):
+    return started.one, started.two, started.ref
+
+
+@pytest.fixture
+def twins(loop, model_dir):
+    """Untrained 1-rank and 2-rank trainers of the test's own."""
+    one, two = loop.run_until_complete(start_trainers(model_dir))
+    yield one, two
+
+    async def finish():
+        await asyncio.gather(stop(one), stop(two))
 
     loop.run_until_complete(finish())
 
@@ -103,22 +133,17 @@ def hf_logprobs(model_dir, token_ids, state_dict=None, temperature=1.0):
     return out
 
 
-def test_reference_equals_trainer_and_hf_before_any_update(loop, actors, model_dir):
-    one, two, ref = actors
+def test_reference_equals_trainer_and_hf_before_any_update(started, model_dir):
     ids = [e.tokens for e in make_batch()]
-
-    async def main():
-        return await ref.route("logprobs", ids), await one.logprobs.call_one(ids), ranks(await two.logprobs.call(ids))
-
-    ref_lp, one_lp, (two_lp0, two_lp1) = loop.run_until_complete(main())
+    ref_lp, one_lp, (two_lp0, two_lp1) = started.before
     assert_lists_close(one_lp, ref_lp, atol=0)  # same model code, same weights
     assert_lists_close(two_lp0, one_lp, atol=1e-5)  # FSDP2 over 2 ranks
     assert_lists_close(two_lp1, two_lp0, atol=0)
     assert_lists_close(one_lp, hf_logprobs(model_dir, ids), atol=1e-5)  # HF weights came in right
 
 
-def test_train_step_finite_and_two_ranks_match_one(loop, actors):
-    one, two, ref = actors
+def test_train_step_finite_and_two_ranks_match_one(loop, actors, twins):
+    (one, two), (_, _, ref) = twins, actors
     batch = make_batch()
 
     async def main():
@@ -212,20 +237,20 @@ def test_push_weights_puts_hf_weights_in_the_store(loop, actors, model_dir):
 def pushers(loop, model_dir, actors):
     """Trainers pushing by each transport: 3 ranks through shared memory (FSDP2's shards uneven: 1108 rows
     are 370 + 370 + 368), 2 ranks and 1 rank by broadcast (to this process, once `broadcast_group` made it
-    their group's rank 1)."""
+    their group's rank 1), and 2 ranks by broadcast whose group only the test of a failing push forms."""
     from types import SimpleNamespace
 
     def trainer(procs, weight_sync):
         return Trainer.options(procs=procs).as_actor(model_dir, GRPOLoss(GRPO), OPTIM, micro_batch_size=2, weight_sync=weight_sync)
 
     async def start():
-        return await asyncio.gather(trainer(3, "shm"), trainer(2, "broadcast"), trainer(1, "broadcast"))
+        return await asyncio.gather(trainer(3, "shm"), trainer(2, "broadcast"), trainer(1, "broadcast"), trainer(2, "broadcast"))
 
-    shm, broadcast, unsharded = loop.run_until_complete(start())
-    yield SimpleNamespace(shm=shm, broadcast=broadcast, unsharded=unsharded, groups={})
+    shm, broadcast, unsharded, never_joined = loop.run_until_complete(start())
+    yield SimpleNamespace(shm=shm, broadcast=broadcast, unsharded=unsharded, never_joined=never_joined, groups={})
 
     async def finish():
-        await asyncio.gather(stop(shm), stop(broadcast), stop(unsharded))
+        await asyncio.gather(stop(shm), stop(broadcast), stop(unsharded), stop(never_joined))
 
     loop.run_until_complete(finish())
 
@@ -294,8 +319,8 @@ def test_a_push_failing_on_rank_0_leaves_the_ranks_in_step(loop, pushers):
     """Rank 0 refuses (no broadcast group yet) while rank 1 gathers with it: the push fails with the reason,
     no rank is left waiting in a gather, and the next push works."""
     with pytest.raises(ActorError, match="join_weights_group was never called"):
-        loop.run_until_complete(within(pushers.broadcast.push_weights.call(30), 120))
-    push(loop, pushers.broadcast, 30, broadcast_group(loop, pushers, "broadcast"))
+        loop.run_until_complete(within(pushers.never_joined.push_weights.call(30), 120))
+    push(loop, pushers.never_joined, 30, broadcast_group(loop, pushers, "never_joined"))
 
 
 @pytest.mark.parametrize("transport", ["shm", "broadcast"])
