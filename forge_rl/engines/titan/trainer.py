@@ -152,7 +152,7 @@ class Trainer(ForgeActor):
                     sums[k] += v.item() * n
                 elif kind == "min":  # a piece without tokens has no ratio: it counts as +inf
                     lows[k] = min(lows.get(k, math.inf), v.item() if n > 0 else math.inf)
-                else:
+                else:  # "max": the loss's counts ("sum") were popped above
                     highs[k] = max(highs.get(k, -math.inf), v.item() if n > 0 else -math.inf)
 
         imitation_nll = self._imitation_backward(imitate, self.loss_fn.imitation_coef) if imitate else None
