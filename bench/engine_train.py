@@ -89,14 +89,15 @@ async def measure(args, model_dir: str, batch: list[Episode]) -> tuple[list[floa
     trainer = await Trainer.options(procs=args.procs).as_actor(
         model_dir, GRPOLoss(GRPOConfig()), OptimizerConfig(lr=1e-4), micro_batch_size=args.micro_batch_size
     )
-    base_times, actor_times = [], []
+    objective = GRPOLoss(GRPOConfig())
+    base_times, actor_times, data = [], [], objective.batch_data(batch, objective.masks(batch, 0))[0]
     try:
         for _ in range(2 + args.steps):
             start = time.perf_counter()
             baseline.step()
             base_times.append(time.perf_counter() - start)
             start = time.perf_counter()
-            await trainer.train_step.call(batch)
+            await trainer.train_step.call(batch, data)
             actor_times.append(time.perf_counter() - start)
     finally:
         await stop(trainer)

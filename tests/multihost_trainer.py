@@ -16,6 +16,7 @@ from forge_rl.core.objective import GRPOLoss
 from forge_rl.runtime.provisioner import get_provisioner
 from forge_rl.engines.titan.trainer import Trainer
 from tests.test_trainer import make_batch
+from tests.steps import plain_data
 
 GRPO, OPTIM = GRPOConfig(), OptimizerConfig(lr=1e-3)
 
@@ -31,8 +32,9 @@ async def main(model_dir: str, workers: list[str]) -> dict:
         batch = make_batch()
         result = {"ranks": [w for _, w in (await two_hosts._bind_rank.call()).items()], "two_hosts": [], "one_host": []}
         for _ in range(2):
-            result["two_hosts"].append([m for _, m in (await two_hosts.train_step.call(batch)).items()])
-            result["one_host"].append(await one_host.train_step.call_one(batch))
+            data = plain_data(GRPOLoss(GRPO), batch)
+            result["two_hosts"].append([m for _, m in (await two_hosts.train_step.call(batch, data)).items()])
+            result["one_host"].append(await one_host.train_step.call_one(batch, data))
         return result
     finally:
         await asyncio.gather(stop(two_hosts), stop(one_host))

@@ -25,6 +25,7 @@ from forge_rl.engines.vllm.generator import Generator
 from forge_rl.rollout.chat_server import ChatServer
 from forge_rl.weights import control
 from forge_rl.weights.layout import WeightsHandle
+from tests.steps import train_step
 from tests.chat_helpers import RUN_PYTHON, build_scripted_model, sampled_runs
 
 pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow]
@@ -104,7 +105,7 @@ def test_every_sampled_token_reaches_the_trainer_with_its_logprob_and_version(tm
         assert torch.equal(t["behaviour"][i, :n], e.behaviour_logprobs)
         assert torch.equal(t["ages"][i, :n][mask], last_version - e.token_versions[mask])
     # ... and the trainer, at the same weights, scores what was sampled as the policy did: ratio 1 at every age
-    metrics = asyncio.run(Trainer.train_step._method(trainer, episodes, None))
+    metrics = train_step(trainer, episodes, None)
     ages = {k: v for k, v in metrics.items() if k.startswith("ratio_")}
     assert metrics["ratio_min"] == pytest.approx(1, abs=1e-3) and metrics["ratio_max"] == pytest.approx(1, abs=1e-3), ages
 

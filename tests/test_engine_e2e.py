@@ -23,6 +23,7 @@ from forge_rl.weights import control
 from forge_rl.runtime.actor import stop
 from forge_rl.core.config import GeneratorConfig, GRPOConfig, OptimizerConfig, SamplingConfig
 from forge_rl.core.objective import GRPOLoss
+from tests.steps import plain_data
 from forge_rl.engines.vllm.generator import Generator
 from forge_rl.engines.titan.reference import ReferenceModel
 from forge_rl.buffer.replay_buffer import ReplayBufferActor
@@ -128,7 +129,7 @@ def test_grpo_steps_raise_reward_with_versioned_weights_and_invariants(tmp_path)
                 ref_lp = await reference.route("logprobs", [e.tokens for e in batch])
                 if version == 0:
                     assert consistency(ref_lp, batch) < FORWARD_TOLERANCE, "reference != generator at v0"
-                metrics = (await trainer.train_step.call(batch, ref_lp)).item(procs=0)
+                metrics = (await trainer.train_step.call(batch, plain_data(GRPOLoss(grpo), batch, version), ref_lp)).item(procs=0)
                 assert abs(metrics["ratio_max"] - 1) < 1e-3, "on-policy data must have importance ratio 1"
                 await trainer.push_weights.call(version + 1)
                 await policy.fanout("update_weights", version + 1)

@@ -182,22 +182,19 @@ def test_every_estimator_goes_uphill_in_a_two_step_game(name, turn_credit):
 
 
 def test_centring_sees_only_the_tokens_max_token_age_leaves_in_the_loss():
-    """GRPOLoss.prepare narrows the mask first: a token sampled too long ago is neither trained nor counted in
+    """The objective narrows the mask first: a token sampled too long ago is neither trained nor counted in
     its answer's batch mean. Answer 2 in three games, rewards [1, 0, 0] (Dr.GRPO [2/3, -1/3, -1/3]); the first
     game's answer is two versions old and max_token_age 1 drops it: the mean is over the other two, -1/3."""
     from forge_rl.core.objective import GRPOLoss
-    from forge_rl.engines.titan.trainer import Trainer
 
     batch = one_turn([1.0, 0, 0])
     batch[0].token_versions = torch.tensor([-1, 0])
     for e in batch[1:]:
         e.token_versions = torch.tensor([-1, 2])
-    trainer = Trainer("unused")
-    trainer.policy_version = 2
-    t = trainer._tensors(batch, None)
-    GRPOLoss(GRPOConfig(centre_per_answer=True, max_token_age=1)).prepare(batch, t)
-    assert t["mask"][:, 1].tolist() == [0.0, 1.0, 1.0]
-    close(t["advantages"][1:, 1], [0.0, 0.0])
+    objective = GRPOLoss(GRPOConfig(centre_per_answer=True, max_token_age=1))
+    data, _ = objective.batch_data(batch, objective.masks(batch, trained_version=2))
+    assert data["mask"][:, 1].tolist() == [0.0, 1.0, 1.0]
+    close(data["advantages"][1:, 1], [0.0, 0.0])
 
 
 def answer_of(length: int, reward: float, truncated: bool) -> Episode:
@@ -219,17 +216,16 @@ def test_overlong_filter_keeps_cut_answers_out_of_the_loss_but_in_the_baseline()
     from forge_rl.core.episode import EpisodeRecord
     from forge_rl.core.objective import GRPOLoss
     from forge_rl.core.types import Completion
-    from forge_rl.engines.titan.trainer import Trainer
 
     record = EpisodeRecord([1, 2])
     record.add_completion(Completion([1, 2], [3, 4], [-0.1, -0.2], "", "length", 0))
     cut = record.to_episode(0.0, "g")
     assert cut.truncated, "finish_reason 'length' is recorded on the episode"
     batch = [answer_of(2, 1.0, False), cut]
-    t = Trainer("unused")._tensors(batch, None)
-    GRPOLoss(GRPOConfig(overlong_filter=True)).prepare(batch, t)
-    assert t["mask"][1].sum() == 0 and t["mask"][0].sum() == 2
-    close(t["advantages"][0, 1:3], [0.5, 0.5])  # compared with the cut answer's reward 0 all the same
+    objective = GRPOLoss(GRPOConfig(overlong_filter=True))
+    data, _ = objective.batch_data(batch, objective.masks(batch, 0))
+    assert data["mask"][1].sum() == 0 and data["mask"][0].sum() == 2
+    close(data["advantages"][0, 1:3], [0.5, 0.5])  # compared with the cut answer's reward 0 all the same
 
 
 # ------------------------------------------------------------------------------------------- ppo

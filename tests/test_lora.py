@@ -22,6 +22,7 @@ from forge_rl.engines.titan.trainer import Trainer
 from forge_rl.models import resolve_model
 from forge_rl.models.tiny import build_tiny_model
 from forge_rl.runtime.actor import stop
+from tests.steps import plain_data, train_step
 from tests.test_trainer import make_batch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +66,7 @@ def test_only_adapters_train_and_the_base_model_stays_the_reference(tiny):
     assert "_LoraLinearBackward" in graph(trainer.model(torch.arange(8)[None])), "the layers are fused (compat/peft.py)"
     base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if n not in trainable}
     batch = batch_for(100)
-    asyncio.run(Trainer.train_step._method(trainer, batch, None))
+    train_step(trainer, batch, None)
     assert len(trainer.optimizers.optimizers[0].state) == len(trainable), "optimizer state for the adapters alone"
     assert all(torch.equal(p, base_before[n]) for n, p in trainer.model.named_parameters() if n in base_before)
 
@@ -80,7 +81,7 @@ def test_the_kl_reference_under_lora_is_the_base_models_scored_as_the_loss_score
     same numbers as the base model's full forward (Trainer.logprobs(base=True)) at every trained token."""
     trainer = trainer_in_process(tiny, LoraConfig(rank=4))
     batch = batch_for(100)
-    asyncio.run(Trainer.train_step._method(trainer, batch, None))  # adapters away from zero: base != policy
+    train_step(trainer, batch, None)  # adapters away from zero: base != policy
     t = trainer._tensors(batch, None)
     ref = trainer._base_logprobs(t, list(range(len(batch))))
     base = asyncio.run(Trainer.logprobs._method(trainer, [e.tokens for e in batch], True))
@@ -89,7 +90,7 @@ def test_the_kl_reference_under_lora_is_the_base_models_scored_as_the_loss_score
         trained = t["mask"][i, : len(e.tokens)].bool()
         torch.testing.assert_close(ref[i, : len(e.tokens)][trained], base[i][trained], atol=BOUND["tiny"], rtol=0)
         assert (ref[i, : len(e.tokens)][trained] - policy[i][trained]).abs().max() > 1e-3, "the base, not the policy"
-    metrics = asyncio.run(Trainer.train_step._method(trainer_in_process(tiny, LoraConfig(rank=4)), batch, "base"))
+    metrics = train_step(trainer_in_process(tiny, LoraConfig(rank=4)), batch, "base")
     assert metrics["kl"] == pytest.approx(0.0, abs=1e-6), "untrained adapters: the policy is the base"
 
 
@@ -103,7 +104,7 @@ def test_an_export_loads_in_transformers_and_peft_with_the_trainers_logprobs(tin
     trainer = trainer_in_process(model_dir, lora)
     batch = batch_for(100)
     for _ in range(2):
-        asyncio.run(Trainer.train_step._method(trainer, batch, None))
+        train_step(trainer, batch, None)
     asyncio.run(Trainer.export_hf._method(trainer, str(tmp_path / "hf")))
     tokens = [e.tokens for e in batch[:3]]
     trained = asyncio.run(Trainer.logprobs._method(trainer, tokens))
@@ -148,12 +149,12 @@ def test_an_export_says_its_weights_dtype_and_refuses_to_drop_a_trained_tensor(t
 def test_resume_restores_the_adapters_and_their_optimizer_state(tiny, tmp_path):
     first, batch = trainer_in_process(tiny, LoraConfig(rank=4)), batch_for(100)
     for _ in range(2):
-        asyncio.run(Trainer.train_step._method(first, batch, None))
+        train_step(first, batch, None)
     asyncio.run(Trainer.save_checkpoint._method(first, str(tmp_path / "ckpt")))
-    expected = asyncio.run(Trainer.train_step._method(first, batch, None))["loss"]
+    expected = train_step(first, batch, None)["loss"]
     resumed = trainer_in_process(tiny, LoraConfig(rank=4))
     asyncio.run(Trainer.load_checkpoint._method(resumed, str(tmp_path / "ckpt")))
-    assert asyncio.run(Trainer.train_step._method(resumed, batch, None))["loss"] == expected
+    assert train_step(resumed, batch, None)["loss"] == expected
     from torch.distributed.checkpoint import FileSystemReader
 
     saved = FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata
@@ -170,14 +171,14 @@ def test_ppos_value_head_trains_beside_the_adapters_and_resumes(tiny, tmp_path):
     asyncio.run(Trainer.setup._method(first))
     base = first.model.layers["0"].attention.wq.base_layer.weight.detach().clone()
     for _ in range(2):
-        asyncio.run(Trainer.train_step._method(first, batch, None))
+        train_step(first, batch, None)
     assert first.model.value_head.weight.abs().sum() > 0 and torch.equal(first.model.layers["0"].attention.wq.base_layer.weight, base)
     asyncio.run(Trainer.save_checkpoint._method(first, str(tmp_path / "ckpt")))
-    expected = asyncio.run(Trainer.train_step._method(first, batch, None))
+    expected = train_step(first, batch, None)
     resumed = Trainer(tiny, ppo, optim, micro_batch_size=4, lora=LoraConfig(rank=4))
     asyncio.run(Trainer.setup._method(resumed))
     asyncio.run(Trainer.load_checkpoint._method(resumed, str(tmp_path / "ckpt")))
-    again = asyncio.run(Trainer.train_step._method(resumed, batch, None))
+    again = train_step(resumed, batch, None)
     assert (again["loss"], again["value_loss"]) == (expected["loss"], expected["value_loss"])
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -212,7 +213,7 @@ def test_the_export_command_writes_a_runs_checkpoint_and_refuses_what_it_cannot(
     async def train_and_save():  # a real trainer actor, as a run has it
         trainer = await Trainer.options(procs=1).as_actor(model_dir, GRPOLoss(cfg.grpo), lora=cfg.trainer.lora)
         try:
-            await trainer.train_step.call(batch)
+            await trainer.train_step.call(batch, plain_data(GRPOLoss(cfg.grpo), batch))
             figures = await save_checkpoint(trainer, str(run), RunState(step=1, version=1), timeout_s=300)
             return figures, (await trainer.logprobs.call(tokens)).item(procs=0)
         finally:
@@ -250,7 +251,7 @@ def test_generators_merge_the_adapters_they_receive_and_sample_the_trainers_poli
         gaps, sizes = [], []
         try:
             for version, trainer in enumerate(trainers, start=1):
-                await trainer.train_step.call(batch)
+                await trainer.train_step.call(batch, plain_data(GRPOLoss(GRPOConfig(entropy_coef=0.0)), batch))
                 sizes.append((await trainer.push_weights.call(version)).item(procs=0))
                 await generator.update_weights.call(version)
                 await generator.finish_loading.call()
@@ -284,7 +285,8 @@ def test_lora_under_fsdp2_trains_as_one_rank_does(tiny):
                                                   micro_batch_size=2, lora=LoraConfig(rank=4), weight_sync="store")
             for procs in (1, 2)))
         try:
-            steps = [((await one.train_step.call(batch)).item(procs=0), [v for _, v in (await two.train_step.call(batch)).items()])
+            data = plain_data(GRPOLoss(GRPOConfig(entropy_coef=0.0)), batch)
+            steps = [((await one.train_step.call(batch, data)).item(procs=0), [v for _, v in (await two.train_step.call(batch, data)).items()])
                      for _ in range(2)]
             sizes = [(await one.push_weights.call(1)).item(procs=0), (await two.push_weights.call(2)).item(procs=0)]
         finally:
@@ -330,7 +332,7 @@ def test_in_bf16_the_generator_serves_the_adapters_as_the_trainer_computes_them(
         )
         try:
             before = await answer(generator, trainer)
-            await trainer.train_step.call(batch)
+            await trainer.train_step.call(batch, plain_data(GRPOLoss(GRPOConfig(entropy_coef=0.0)), batch))
             await trainer.push_weights.call(1)
             await generator.update_weights.call(1)
             return before, await answer(generator, trainer)

@@ -15,6 +15,7 @@ from forge_rl.engines.titan.model import sequence_logprobs
 from forge_rl.engines.titan.scoring import plan_forward
 from forge_rl.engines.titan.trainer import Trainer
 from forge_rl.models.tiny import build_tiny_model
+from tests.steps import plain_data, train_step
 
 
 def episode(ids: list[int], trained: list[int], reward: float, group: str) -> Episode:
@@ -87,7 +88,8 @@ def test_shared_rows_give_the_loss_and_gradients_of_every_episode_scored_alone(t
     asyncio.run(Trainer.setup._method(trainer))
     batch = blackjack_like_groups()
     t = trainer._tensors(batch, None)
-    totals = loss_fn.prepare(batch, t)
+    t.update(plain_data(loss_fn, batch))
+    totals = loss_fn.prepare(t)
     everyone = list(range(len(batch)))
     plan = plan_forward(t["tokens"], t["lengths"], t["mask"], everyone)
 
@@ -118,6 +120,6 @@ def test_a_train_step_reports_the_tokens_it_ran_through_the_model(tmp_path):
     trainer = Trainer(model_dir, loss_fn, OptimizerConfig(), micro_batch_size=2)
     asyncio.run(Trainer.setup._method(trainer))
     batch = blackjack_like_groups()
-    metrics = asyncio.run(Trainer.train_step._method(trainer, batch))
+    metrics = train_step(trainer, batch)
     assert sum(len(e.tokens) for e in batch) == 64
     assert metrics["forward_tokens"] == 2 * 8 + 7

@@ -12,6 +12,7 @@ from forge_rl.models.tiny import build_tiny_model
 from forge_rl.engines.titan.model import sequence_logprobs
 from forge_rl.engines.titan.trainer import Trainer
 from forge_rl.core.types import Episode
+from tests.steps import train_step
 
 
 def episode(group_id: str, reward: float, answer: int = 7) -> Episode:
@@ -63,12 +64,12 @@ def test_imitated_episodes_gain_likelihood_where_grpo_alone_moves_nothing(model_
     imitate = [episode("p", 1.0, answer=20), episode("q", 1.0, answer=30), episode("r", 1.0, answer=50)]
     plain = trainer(model_dir)
     before = [answer_logprob(plain, e) for e in imitate]
-    asyncio.run(Trainer.train_step._method(plain, batch, None))
+    train_step(plain, batch, None)
     assert [answer_logprob(plain, e) for e in imitate] == pytest.approx(before, abs=1e-6)
 
     one, pieces = trainer(model_dir), trainer(model_dir, micro_batch_size=1)
-    m_one = asyncio.run(Trainer.train_step._method(one, batch, None, imitate))
-    m_pieces = asyncio.run(Trainer.train_step._method(pieces, batch, None, imitate))
+    m_one = train_step(one, batch, None, imitate)
+    m_pieces = train_step(pieces, batch, None, imitate)
     assert m_one["imitation_nll"] == pytest.approx(-sum(before) / 6, rel=1e-4)  # mean over the 6 answer tokens
     assert m_pieces["imitation_nll"] == pytest.approx(m_one["imitation_nll"], rel=1e-5)
     assert m_one["imitation_episodes"] == 3

@@ -22,10 +22,15 @@ from forge_rl.core.objective import GRPOLoss
 from forge_rl.engines.titan.reference import ReferenceModel
 from forge_rl.models.tiny import build_tiny_model
 from forge_rl.engines.titan.trainer import Trainer
-from forge_rl.engines.titan.value_head import step_values
 from forge_rl.core.types import Episode
+from tests.steps import actor_data, data_of, plain_data, train_step
 
 GRPO = GRPOConfig(kl_coef=0.05, entropy_coef=0.0, estimator="grpo")
+
+
+def data(batch: list[Episode]) -> dict:
+    """What the learner fixes for a batch of the GRPO objective the shared trainers train with."""
+    return plain_data(GRPOLoss(GRPO), batch)
 OPTIM = OptimizerConfig(lr=1e-3, schedule="constant")
 
 
@@ -150,7 +155,7 @@ def test_train_step_finite_and_two_ranks_match_one(loop, actors, twins):
         ref_lp = await ref.route("logprobs", [e.tokens for e in batch])
         steps = []
         for _ in range(2):
-            steps.append((await one.train_step.call_one(batch, ref_lp), ranks(await two.train_step.call(batch, ref_lp))))
+            steps.append((await one.train_step.call_one(batch, data(batch), ref_lp), ranks(await two.train_step.call(batch, data(batch), ref_lp))))
         return steps
 
     (m1, (m2, m2b)), (n1, (n2, _)) = loop.run_until_complete(main())
@@ -172,7 +177,8 @@ def test_train_step_finite_and_two_ranks_match_one(loop, actors, twins):
 def test_kl_without_reference_logprobs_is_refused(loop, actors):
     one, _, _ = actors
     with pytest.raises(ActorError, match="ref_logprobs"):
-        loop.run_until_complete(one.train_step.call_one(make_batch()))
+        batch = make_batch()
+        loop.run_until_complete(one.train_step.call_one(batch, data(batch)))
 
 
 def test_loss_decreases_on_a_repeated_batch(loop, actors):
@@ -181,7 +187,7 @@ def test_loss_decreases_on_a_repeated_batch(loop, actors):
 
     async def main():
         ref_lp = await ref.route("logprobs", [e.tokens for e in batch])
-        return [(await one.train_step.call_one(batch, ref_lp))["loss"] for _ in range(6)]
+        return [(await one.train_step.call_one(batch, data(batch), ref_lp))["loss"] for _ in range(6)]
 
     losses = loop.run_until_complete(main())
     assert losses[-1] < losses[0] - 0.05, losses
@@ -194,14 +200,14 @@ def test_checkpoint_resume_gives_identical_numbers(loop, actors, tmp_path):
     async def main():
         ref_lp = await ref.route("logprobs", [e.tokens for e in batch])
         for _ in range(2):
-            await one.train_step.call_one(batch, ref_lp)
+            await one.train_step.call_one(batch, data(batch), ref_lp)
         await one.save_checkpoint.call_one(str(tmp_path / "ckpt"))
-        after_save = await one.train_step.call_one(batch, ref_lp)
+        after_save = await one.train_step.call_one(batch, data(batch), ref_lp)
         progress = await one.load_checkpoint.call_one(str(tmp_path / "ckpt"))
-        resumed = await one.train_step.call_one(batch, ref_lp)
+        resumed = await one.train_step.call_one(batch, data(batch), ref_lp)
         # The same checkpoint resharded onto the 2-rank trainer.
         await two.load_checkpoint.call(str(tmp_path / "ckpt"))
-        resharded = ranks(await two.train_step.call(batch, ref_lp))[0]
+        resharded = ranks(await two.train_step.call(batch, data(batch), ref_lp))[0]
         return after_save, progress, resumed, resharded
 
     after_save, progress, resumed, resharded = loop.run_until_complete(main())
@@ -293,7 +299,7 @@ def push(loop, trainer, version, group=None) -> dict[str, torch.Tensor]:
 
 def train(loop, trainer):
     batch = make_batch(seed=5)
-    loop.run_until_complete(trainer.train_step.call(batch, [torch.zeros(len(e.tokens)) for e in batch]))
+    loop.run_until_complete(trainer.train_step.call(batch, data(batch), [torch.zeros(len(e.tokens)) for e in batch]))
 
 
 def assert_equal_to_checkpoint(model_dir, pushed):
@@ -342,7 +348,7 @@ def test_an_unsharded_trainer_steps_only_once_its_broadcast_is_sent(loop, pusher
     batch = make_batch(seed=5)
 
     async def step_while_sending():
-        step = asyncio.ensure_future(within(trainer.train_step.call(batch, [torch.zeros(len(e.tokens)) for e in batch]), 120))
+        step = asyncio.ensure_future(within(trainer.train_step.call(batch, data(batch), [torch.zeros(len(e.tokens)) for e in batch]), 120))
         await asyncio.sleep(5)  # a step of the tiny model takes well under a second
         waited = not step.done()
         pushed = await asyncio.to_thread(received, handle, group)
@@ -398,7 +404,7 @@ def test_on_policy_train_step_has_ratio_one_at_the_sampling_temperature(model_di
     for e, lp in zip(batch, hf_logprobs(model_dir, [e.tokens for e in batch], temperature=temperature)):
         e.behaviour_logprobs = lp * e.loss_mask
     trainer = in_process(Trainer, model_dir, GRPOLoss(GRPOConfig()), OPTIM, micro_batch_size=2, temperature=temperature)
-    metrics = asyncio.run(Trainer.train_step._method(trainer, batch, None))
+    metrics = train_step(trainer, batch, None)
     assert metrics["ratio_min"] == pytest.approx(1, abs=1e-4) and metrics["ratio_max"] == pytest.approx(1, abs=1e-4)
     assert metrics["num_tokens"] == sum(int(e.loss_mask.sum()) for e in batch)
 
@@ -412,13 +418,13 @@ def test_resume_with_more_steps_continues_the_new_schedule(model_dir, tmp_path):
     trains at the new schedule's lr, not at the 0 the checkpoint holds."""
     batch, cosine = make_batch(), OptimizerConfig(lr=1e-3, schedule="cosine")
     first = in_process(Trainer, model_dir, GRPOLoss(GRPOConfig()), cosine, max_steps=2)
-    lrs = [asyncio.run(Trainer.train_step._method(first, batch, None))["lr"] for _ in range(2)]
+    lrs = [train_step(first, batch, None)["lr"] for _ in range(2)]
     asyncio.run(Trainer.save_checkpoint._method(first, str(tmp_path / "ckpt")))
     assert lrs[0] == 1e-3 and first.optimizers.optimizers[0].param_groups[0]["lr"] == 0
 
     longer = in_process(Trainer, model_dir, GRPOLoss(GRPOConfig()), cosine, max_steps=4)
     asyncio.run(Trainer.load_checkpoint._method(longer, str(tmp_path / "ckpt")))
-    resumed = asyncio.run(Trainer.train_step._method(longer, batch, None))
+    resumed = train_step(longer, batch, None)
     assert resumed["step"] == 3 and resumed["lr"] == pytest.approx(0.5e-3), "cosine over 4 steps is at half at step 2"
 
 
@@ -446,11 +452,11 @@ def test_the_entropy_floor_is_decided_once_for_the_whole_batch(model_dir):
     config = GRPOConfig(entropy_coef=1.0, entropy_floor=floor, estimator="dr_grpo")
     for micro_batch_size in (len(batch), 1):
         trainer = in_process(Trainer, model_dir, GRPOLoss(config), OPTIM, micro_batch_size=micro_batch_size)
-        metrics = asyncio.run(Trainer.train_step._method(trainer, batch, None))
+        metrics = train_step(trainer, batch, None)
         assert metrics["loss"] == pytest.approx(-mean, rel=1e-4), (micro_batch_size, metrics["loss"], -mean)
     above = GRPOConfig(entropy_coef=1.0, entropy_floor=min(per_episode) / 2, estimator="dr_grpo")  # off for every piece
     trainer = in_process(Trainer, model_dir, GRPOLoss(above), OPTIM, micro_batch_size=1)
-    assert asyncio.run(Trainer.train_step._method(trainer, batch, None))["loss"] == pytest.approx(0.0, abs=1e-6)
+    assert train_step(trainer, batch, None)["loss"] == pytest.approx(0.0, abs=1e-6)
 
 
 PPO = GRPOConfig(estimator="ppo", value_coef=1.0)
@@ -461,20 +467,18 @@ def test_ppo_trains_its_value_head_in_the_policys_step(model_dir):
     on a fixed batch, falls; the step's advantages are the return minus the step-start values (lambda = 1)."""
     batch = make_batch()
     trainer = in_process(Trainer, model_dir, GRPOLoss(PPO), OPTIM, micro_batch_size=2)
-    first = asyncio.run(Trainer.train_step._method(trainer, batch, None))
+    first = train_step(trainer, batch, None)
     assert first["value_mean"] == 0.0 and all(math.isfinite(v) for v in first.values()), first
-    fits = [first["value_loss"]] + [asyncio.run(Trainer.train_step._method(trainer, batch, None))["value_loss"] for _ in range(5)]
+    fits = [first["value_loss"]] + [train_step(trainer, batch, None)["value_loss"] for _ in range(5)]
     assert fits[-1] < 0.5 * fits[0], fits
-    # the advantages of a step: each turn's reward minus the value the head gives its state now
-    t = trainer._tensors(batch, None)
-    t["values"] = step_values(trainer._scored_pieces(t, trainer._my_rows(len(batch))), t["mask"], trainer.device)
-    GRPOLoss(PPO).prepare(batch, t)
+    # the advantages of a batch: each turn's reward minus the value the head gives its state before its updates
+    data, _ = data_of(trainer, batch)
     for i, e in enumerate(batch):
         for start in (6, 11):  # each answer's first token: its advantage is reward - V there, over the whole answer
-            assert t["advantages"][i, start] == pytest.approx(e.reward - float(t["values"][i, start]), abs=1e-6)
-            assert t["returns"][i, start] == pytest.approx(e.reward, abs=1e-6) and t["value_mask"][i, start] == 1
-        assert torch.equal(t["advantages"][i, 6:9], t["advantages"][i, 6:7].expand(3))
-    assert t["value_mask"].sum() == 2 * len(batch)
+            assert data["advantages"][i, start] == pytest.approx(e.reward - float(data["values"][i, start]), abs=1e-6)
+            assert data["returns"][i, start] == pytest.approx(e.reward, abs=1e-6) and data["value_mask"][i, start] == 1
+        assert torch.equal(data["advantages"][i, 6:9], data["advantages"][i, 6:7].expand(3))
+    assert data["value_mask"].sum() == 2 * len(batch)
 
 
 def test_ppo_resume_restores_the_value_head(model_dir, tmp_path):
@@ -483,12 +487,12 @@ def test_ppo_resume_restores_the_value_head(model_dir, tmp_path):
     batch = make_batch(seed=4)
     first = in_process(Trainer, model_dir, GRPOLoss(PPO), OPTIM, micro_batch_size=2)
     for _ in range(2):
-        asyncio.run(Trainer.train_step._method(first, batch, None))
+        train_step(first, batch, None)
     asyncio.run(Trainer.save_checkpoint._method(first, str(tmp_path / "ckpt")))
-    expected = asyncio.run(Trainer.train_step._method(first, batch, None))
+    expected = train_step(first, batch, None)
     resumed = in_process(Trainer, model_dir, GRPOLoss(PPO), OPTIM, micro_batch_size=2)
     asyncio.run(Trainer.load_checkpoint._method(resumed, str(tmp_path / "ckpt")))
-    again = asyncio.run(Trainer.train_step._method(resumed, batch, None))
+    again = train_step(resumed, batch, None)
     assert again["value_mean"] != 0.0
     for key in ("loss", "value_loss", "value_mean", "grad_norm"):
         assert again[key] == expected[key], key
@@ -510,8 +514,11 @@ def test_ppo_on_two_ranks_matches_one(loop, model_dir):
             Trainer.options(procs=2).as_actor(model_dir, GRPOLoss(PPO), OPTIM, micro_batch_size=2),
         )
         try:
-            batch = make_batch(seed=5)
-            return [(await one.train_step.call_one(batch), ranks(await two.train_step.call(batch))) for _ in range(2)]
+            batch, steps = make_batch(seed=5), []
+            for _ in range(2):
+                (d1, f1), (d2, f2) = await actor_data(one, GRPOLoss(PPO), batch), await actor_data(two, GRPOLoss(PPO), batch)
+                steps.append(({**await one.train_step.call_one(batch, d1), **f1}, [{**m, **f2} for m in ranks(await two.train_step.call(batch, d2))]))
+            return steps
         finally:
             await asyncio.gather(stop(one), stop(two))
 

@@ -41,11 +41,12 @@ from forge_rl.engines.titan.model import (
     build_model,
     init_distributed,
     logprobs_of,
+    pad_right,
     scored_logprobs,
     scoring_head,
 )
 from forge_rl.engines.titan.scoring import ForwardPlan, batch_tensors, plan_forward, scored_positions
-from forge_rl.engines.titan.value_head import NAME as VALUE_HEAD, has_value_head, head_values, scored_values, step_values
+from forge_rl.engines.titan.value_head import NAME as VALUE_HEAD, head_values, scored_values, step_values
 from forge_rl.runtime.actor import ForgeActor
 from forge_rl.weights import make_publisher
 from forge_rl.weights.shm import drain
@@ -60,15 +61,14 @@ class Trainer(ForgeActor):
     Invariant: every rank holds the same step count and applies the same update (each rank gets the whole
     batch, trains on its slice, FSDP sums the gradients).
 
-    The loss function (core/objective.py `GRPOLoss` is one): `prepare(episodes, tensors, mean_entropy) -> totals`,
-    on the whole batch before its micro-batches: it may narrow tensors["mask"] and puts each token's advantage
-    in tensors["advantages"] [B, T] (`mean_entropy()`: the batch's mean entropy per trained token, all ranks',
-    by a forward without grad); and `loss_fn(logprobs [B, T], piece, logits, totals) -> (loss, metrics)` per
-    micro-batch, where `piece` holds "behaviour", "mask" (weighted), "ages", "ref" (when given) and
-    "advantages" as [B, T], and the pieces' gradients add up to the batch's. Its metrics must include `num_tokens` (see `reduction` for the
-    others); `imitation_coef` weighs the NLL of the episodes to imitate. A loss_fn whose `value_head` is true gets
-    one (value_head.py): tensors["values"] [B, T] before `prepare` (no grad, before the update; V of the state
-    before each trained token), and piece["predicted_values"] (with grad) beside the rest of what prepare added.
+    The loss function (core/objective.py `GRPOLoss` is one): `prepare(tensors, **numbers) -> totals` on an
+    optimizer step's whole minibatch before its micro-batches, and `loss_fn(logprobs [B, T], piece, entropy,
+    totals) -> (loss, metrics)` per micro-batch, where `piece` holds "behaviour", "ages", "ref" (when given) and
+    every [B, T] tensor of the step's `data` (the batch's "mask", "advantages", ...: fixed by the caller once per
+    batch, the trainer asks nothing about them), and the pieces' gradients add up to the step's. Its metrics must
+    include `num_tokens` (see `reduction` for the others); `imitation_coef` weighs the NLL of the episodes to
+    imitate. A loss_fn whose `value_head` is true gets one (value_head.py): piece["predicted_values"] (with
+    grad), and `score_batch` reads its values before a batch's updates.
     """
 
     def __init__(
@@ -120,13 +120,17 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def train_step(
-        self, batch: list[Episode], ref_logprobs: list[torch.Tensor] | str | None = None, imitate: list[Episode] | None = None
+        self, batch: list[Episode], data: dict, ref_logprobs: list[torch.Tensor] | str | None = None,
+        imitate: list[Episode] | None = None,
     ) -> dict[str, float]:
         """All ranks (every rank gets the whole batch; returns the same metrics). One optimizer step.
 
-        ref_logprobs: per episode [T] reference log-probs aligned with its tokens, or "base" (LoRA): this
-        model's with the adapters off, scored here as the loss's rows are. imitate: episodes whose mean token
-        NLL, times the loss_fn's `imitation_coef`, joins the loss of the same optimizer step.
+        data: what the loss trains these episodes with, fixed once for their batch (core/objective.py
+        `batch_data`): [B, T'] tensors (row i: episode i, T' at least its length; "mask" is the trained
+        positions) and numbers, handed to the loss_fn as they are. ref_logprobs: per episode [T] reference
+        log-probs aligned with its tokens, or "base" (LoRA): this model's with the adapters off, scored here as
+        the loss's rows are. imitate: episodes whose mean token NLL, times the loss_fn's `imitation_coef`, joins
+        the loss of the same optimizer step.
         """
         if self.loss_fn is None:
             raise ValueError("Trainer.train_step: this trainer was built without a loss_fn")
@@ -134,9 +138,9 @@ class Trainer(ForgeActor):
         mine = self._my_rows(len(batch))
         if ref_logprobs == "base":
             t["ref"] = self._base_logprobs(t, mine)
-        if has_value_head(self.model):  # the advantages' baseline, fixed for the step (value_head.py)
-            t["values"] = step_values(self._scored_pieces(t, mine), t["mask"], self.device)
-        totals = self.loss_fn.prepare(batch, t, lambda: self._mean_entropy(t, mine))  # may narrow t["mask"]
+        width = t["tokens"].shape[1]
+        t.update({k: v[:, :width] for k, v in data.items() if isinstance(v, torch.Tensor)})
+        totals = self.loss_fn.prepare(t, **{k: v for k, v in data.items() if not isinstance(v, torch.Tensor)})
         plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
         total_loss, tokens, forward_tokens = 0.0, 0.0, 0
         sums, lows, highs = defaultdict(float), {}, {}
@@ -176,6 +180,21 @@ class Trainer(ForgeActor):
         if imitation_nll is not None:
             metrics.update(imitation_nll=imitation_nll, imitation_episodes=len(imitate))
         return metrics
+
+    @endpoint
+    async def score_batch(self, batch: list[Episode], masks: list[torch.Tensor], values: bool, entropy: bool) -> dict:
+        """All ranks (collective when sharded; all return the same). A batch under the current weights, before
+        its updates, no grad: what an objective fixes once per batch. `values`: each episode's [T] value-head
+        values (V of the state before each sampled token, 0 elsewhere); `entropy`: the mean next-token entropy
+        over the positions `masks` [T] marks, every rank's rows together."""
+        t, mine, out = self._tensors(batch, None), self._my_rows(len(batch)), {}
+        if values:
+            v = step_values(self._scored_pieces(t, mine), t["mask"], self.device)
+            out["values"] = [v[i, : len(e.tokens)] for i, e in enumerate(batch)]
+        if entropy:
+            t["mask"] = pad_right([torch.as_tensor(m, dtype=torch.float32) for m in masks], t["tokens"].shape[1])
+            out["mean_entropy"] = self._mean_entropy(t, mine)
+        return out
 
     @endpoint
     async def push_weights(self, version: int, receivers: list[int] | None = None) -> int:
@@ -295,8 +314,7 @@ class Trainer(ForgeActor):
         """The loss of `episodes` from one forward of the `rows` that serve them (scoring.py); `piece` holds
         their [B, T] tensors from position 1, and the log-probs and entropies of their trained tokens."""
         lp, entropy, width, anchor, values = self._score(t, plan, rows, episodes)
-        keys = ("mask", "behaviour", "ages", "ref", "advantages", "values", "returns", "value_mask")
-        piece = {k: t[k][episodes, 1 : width + 1].to(self.device) for k in keys if k in t}
+        piece = {k: v[episodes, 1 : width + 1].to(self.device) for k, v in t.items() if v.dim() == 2 and k != "tokens"}
         piece["mask"] = piece["mask"] * weight
         piece.update({} if values is None else {"predicted_values": values})
         loss, metrics = self.loss_fn(lp, piece, entropy, totals)

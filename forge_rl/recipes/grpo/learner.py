@@ -1,20 +1,23 @@
 """Learner: the training side of one step, on the controller.
 
-    batch --> reference log-probs (kl_coef > 0) --> Trainer.train_step (per minibatch, per epoch)
-          --> push_weights(v) --> every generator --> version v-1 dropped from TorchStore
+    batch --> reference log-probs (kl_coef > 0) --> advantages, fixed for the batch (core/objective.py)
+          --> Trainer.train_step (per minibatch, per epoch) --> push_weights(v) --> every generator
+          --> version v-1 dropped from TorchStore
 
-It owns the trainer and reference handles and the self-imitation pool; the version it is told to publish
-is the recipe's (state.py).
+It owns the trainer and reference handles, the objective's batch half and the self-imitation pool; the
+version it is told to publish is the recipe's (state.py).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 
 from forge_rl.core.config import RunConfig
 from forge_rl.core.loss import reduction
+from forge_rl.core.objective import GRPOLoss
 from forge_rl.core.types import Episode
 from forge_rl.recipes.grpo.self_imitation import ImitationPool
 from forge_rl.runtime.actor import call
@@ -43,6 +46,15 @@ def minibatches(batch: list[Episode], n: int) -> list[list[int]]:
     return [[i for i, e in enumerate(batch) if e.group_id in part] for part in parts if part]
 
 
+def optimizer_steps(batch: list[Episode], data: dict, minibatches_per_epoch: int, epochs: int):
+    """(indices, their data) of each optimizer step a batch trains as: `epochs` passes over the same
+    minibatches, every step's data the rows of the batch's one `data` (fixed before the first step)."""
+    parts = minibatches(batch, minibatches_per_epoch)
+    for _ in range(epochs):
+        for part in parts:
+            yield part, {k: v[part] if isinstance(v, torch.Tensor) else v for k, v in data.items()}
+
+
 def merged(steps: list[dict[str, float]]) -> dict[str, float]:
     """One step's figures from its optimizer steps': counts summed, extremes as extremes, the rest averaged
     (core/loss.py `reduction`, as the trainer combines its micro-batches)."""
@@ -53,9 +65,20 @@ def merged(steps: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+async def batch_data(objective: GRPOLoss, batch: list[Episode], trained_version: int, score) -> tuple[dict, dict[str, float]]:
+    """The objective's data for `batch`, fixed before any of its optimizer steps (advantages; ppo's old values
+    and targets; the entropy floor's decision), with what it needs of the trainer's weights as they are before
+    them (`score`: the trainer's `score_batch`, awaited); and the figures of the batch's start."""
+    masks, seen = objective.masks(batch, trained_version), {}
+    if objective.value_head or objective.entropy_floor:
+        seen = await score(batch, masks, objective.value_head, objective.entropy_floor)
+    return objective.batch_data(batch, masks, seen.get("values"), seen.get("mean_entropy"))
+
+
 class Learner:
     def __init__(self, cfg: RunConfig, trainer, policy, reference=None):
         self.cfg, self.trainer, self.policy, self.reference = cfg, trainer, policy, reference
+        self.objective = GRPOLoss(cfg.grpo, cfg.sampling.max_tokens)  # its batch half; the trainer holds a copy
         imitation = cfg.grpo.self_imitation
         self.imitation = ImitationPool(imitation.capacity, cfg.seed) if imitation.episodes else None
 
@@ -71,18 +94,19 @@ class Learner:
         if self.imitation is not None:
             self.imitation.add_batch(batch)
             imitate = self.imitation.sample(self.cfg.grpo.self_imitation.episodes)
-        timeout_s, steps, parts = self.cfg.trainer.timeout_s, [], minibatches(batch, self.cfg.grpo.minibatches)
-        for _ in range(self.cfg.grpo.epochs):
-            for part in parts:
-                ref = [ref_logprobs[i] for i in part] if isinstance(ref_logprobs, list) else ref_logprobs
-                episodes = [batch[i] for i in part]
-                steps.append(await call(self.trainer, "train_step", episodes, ref, None if steps else imitate, timeout_s=timeout_s))
+        score = functools.partial(call, self.trainer, "score_batch", timeout_s=self.cfg.trainer.timeout_s)
+        data, at_start = await batch_data(self.objective, batch, version - 1, score)
+        timeout_s, steps = self.cfg.trainer.timeout_s, []
+        for part, part_data in optimizer_steps(batch, data, self.cfg.grpo.minibatches, self.cfg.grpo.epochs):
+            ref = [ref_logprobs[i] for i in part] if isinstance(ref_logprobs, list) else ref_logprobs
+            episodes = [batch[i] for i in part]
+            steps.append(await call(self.trainer, "train_step", episodes, part_data, ref, None if steps else imitate, timeout_s=timeout_s))
         trained = merged(steps)
         after_train = time.perf_counter()
         push_times = await self.publish(version)
         if version - 1 >= 1:  # version 0 is the model directory itself; older versions are no longer served
             await control.delete_version(version - 1)
-        figures = {f"train/{k}": v for k, v in trained.items() if k not in ("step", "num_tokens")}
+        figures = {f"train/{k}": v for k, v in {**trained, **at_start}.items() if k not in ("step", "num_tokens")}
         figures.update({
             "train/batch_reward": sum(e.reward for e in batch) / len(batch),
             "train/batch_episodes": len(batch),
