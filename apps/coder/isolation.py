@@ -1,6 +1,7 @@
 """Where sandboxed programs can run on this host: the interpreter that runs them, what a bwrap sandbox shows them
-(an allowlist computed from that interpreter), the isolation bubblewrap can give (sandbox.py's two modes), and a
-PID namespace of its own without root (`unshare`). Each is probed by starting that interpreter, once, when a Sandbox is made.
+(an allowlist computed from that interpreter), the isolation bubblewrap can give (sandbox.py's two modes), the
+folders any user may write in (where a run as root must sweep its uid's files), and a PID namespace of its own
+without root (`unshare`). Each is probed by starting that interpreter, once, when a Sandbox is made.
 """
 
 from __future__ import annotations
@@ -126,6 +127,27 @@ def bwrap_argv(tmpfs_mb: int, shown: tuple[str, ...]) -> list[str]:
         "--symlink", "/tmp", "/dev/shm", "--symlink", "/proc/self/fd", "/dev/fd",
         *shown, "--remount-ro", "/", "--chdir", "/tmp",
     ]  # fmt: skip
+
+
+def writable_by_anyone() -> tuple[str, ...]:
+    """Folders every user may write in (o+w): those within two levels of / (/tmp, /var/tmp, /dev/shm, /run/lock, and
+    what lies in /tmp) and every mount point. A root server's run has a uid of its own, which can leave files only
+    there, in their world-writable subfolders, and in its working directory."""
+    found, level = set(), ["/"]
+    for _ in range(2):
+        below = []
+        for folder in level:
+            try:
+                entries = [e for e in os.scandir(folder) if e.is_dir(follow_symlinks=False) and e.path not in ("/proc", "/sys")]
+            except OSError:
+                continue
+            below += [e.path for e in entries]
+            found |= {e.path for e in entries if e.stat(follow_symlinks=False).st_mode & stat.S_IWOTH}
+        level = below
+    with open("/proc/self/mounts") as mounts:
+        points = [line.split()[1] for line in mounts]
+    found |= {p for p in points if not p.startswith(("/proc", "/sys")) and os.path.isdir(p) and os.stat(p).st_mode & stat.S_IWOTH}
+    return tuple(sorted(found))
 
 
 def own_pid_namespace(python: str) -> list[str]:

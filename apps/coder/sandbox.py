@@ -10,8 +10,8 @@ and stderr until it exits or the wall clock runs out. Two isolation modes, picke
            link to it) that vanishes with the run.
   rlimits  a plain child in its own session, working in a fresh temporary directory removed
            afterwards. Network and filesystem are those of the server's user (or, as root, of a uid that is
-           no one's: it reads what every user may). It hides nothing: task sets with hidden data are refused
-           there (env.py).
+           no one's: it reads what every user may, and what it leaves in folders anyone may write is removed
+           after the run). It hides nothing: task sets with hidden data are refused there (env.py).
 
 Both modes apply rlimits (CPU seconds, address space, file size, processes, no core files) and a
 scrubbed environment. Run as root, each call also gets its own unused uid, so RLIMIT_NPROC (which
@@ -48,7 +48,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from apps.coder.isolation import allowlist, bwrap_argv, default_python, detect_isolation, own_pid_namespace
+from apps.coder.isolation import allowlist, bwrap_argv, default_python, detect_isolation, own_pid_namespace, writable_by_anyone
 
 # Runs first in every child, before the caller's harness: the process limit (see the module's docstring),
 # stderr to /dev/null where the caller discards it, then the byte that says the child started.
@@ -156,13 +156,28 @@ def _wait_for_namespace(info_r: int, limit_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def _remove_files_of(uid: int, folder: str) -> None:
+    """Everything `uid` owns in `folder` and in its subfolders anyone may write (where only `uid` could have put
+    it): else a run as root could fill /dev/shm, host memory, beyond its run, or leave a file for the next run
+    given the same uid to read."""
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in list(entries):
+            with contextlib.suppress(OSError):
+                info = entry.stat(follow_symlinks=False)
+                if info.st_uid == uid:
+                    shutil.rmtree(entry.path) if entry.is_dir(follow_symlinks=False) else os.unlink(entry.path)
+                elif entry.is_dir(follow_symlinks=False) and info.st_mode & 0o002:
+                    _remove_files_of(uid, entry.path)
+
+
 class Sandbox:
     """Executes programs one child process per call; thread-safe, one Sandbox per server.
 
     Invariant: when `run` returns, no process of that run is left: with bwrap the PID namespace
     is empty (waited for); in rlimits mode the process group is killed and, as root, the run's
     uid swept with SIGKILL (the kernel may take a moment to reap those). Its working directory
-    is gone. The uid goes back to the pool (FIFO) only after that. Not guaranteed in rlimits mode without root and
+    is gone, and so (as root) is every file its uid left in the folders anyone may write. The uid
+    goes back to the pool (FIFO) only after that. Not guaranteed in rlimits mode without root and
     without a PID namespace of its own: a process that leaves the group and sleeps survives the run. A result always comes from a child that started: else SandboxError.
     """
 
@@ -182,6 +197,7 @@ class Sandbox:
         if not os.path.exists(self._kill[0]):  # slim images: do it with the interpreter instead
             self._kill = [self.python, "-c", "import os; os.kill(-1, 9)"]
         self._as_root = os.geteuid() == 0
+        self._swept = writable_by_anyone() if self._as_root and self.isolation == "rlimits" else ()
         self._uids: queue.Queue[int] = queue.Queue()
         for uid in uid_pool(os.getpid()):
             self._uids.put(uid)
@@ -290,6 +306,8 @@ class Sandbox:
             # and (bwrap) a namespace still being torn down after its init was killed.
             subprocess.run(self._kill, user=uid, group=uid, extra_groups=[],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            for folder in self._swept:
+                _remove_files_of(uid, folder)
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
         if uid is not None:
