@@ -223,7 +223,7 @@ def test_the_pages_dataset_is_served_with_its_reward_and_its_config_is_the_shipp
     (make_data,) = guide_commands("sums.make_data")
     subprocess.run([sys.executable, *make_data], cwd=my_envs, env=environment(my_envs), check=True, timeout=60)
     page = load_config(my_envs / "sums.yaml", [])
-    variables = server_variables(str(my_envs / page.env.dataset), page.app_module, page.env.test_fraction)
+    variables = server_variables(str(my_envs / page.env.dataset), page.app_module, page.env.test_fraction, page.env.reward_timeout_s)
 
     async def play(url: str, answer: str) -> tuple[dict, dict]:
         async with EnvSession(url, timeout_s=30) as session:

@@ -51,37 +51,39 @@ def test_agents_reset_with_the_runs_reset_args(tmp_path, code_tasks):
     assert evaluation == {"eval/reward": 1.0, "eval/games": 3}
 
 
-def test_a_failed_agent_cancels_the_others_of_its_group(tmp_path, code_tasks):
+def test_a_failed_agent_cancels_the_others_of_its_group(tmp_path, code_tasks, caplog):
     """One agent of a group raises while the others hold their environment sessions and chat rollouts:
-    the group fails at once with its error, and the others are cancelled, their sessions back in the pool
-    and their rollouts ended (they played on before, holding them)."""
+    the group is lost at once, counted by its error, and the others are cancelled, their sessions back in
+    the pool and their rollouts ended (they played on before, holding them); the run goes on."""
     r = rollouts(tmp_path, code_tasks.url)
     agent_apps.fail_one, agent_apps.started[:], agent_apps.cancelled[:] = True, [], []
 
     async def main():
         try:
-            with pytest.raises(RuntimeError, match="this agent failed"):
-                await asyncio.wait_for(r.group(3), 120)
+            group = await asyncio.wait_for(r.group(3), 120)
             server = (await r.agents).server
-            return r.sessions.free.qsize(), dict(server.rollouts)
+            return group, r.sessions.free.qsize(), dict(server.rollouts)
         finally:
             await r.close()
 
-    free, open_rollouts = asyncio.run(main())
+    with caplog.at_level(logging.WARNING, logger="forge_rl.rollout.rollouts"):
+        group, free, open_rollouts = asyncio.run(main())
+    assert group is None and r.lost_groups == {"RuntimeError": 1} and "lost to RuntimeError" in caplog.text and "this agent failed" in caplog.text
     assert len(agent_apps.started) == GROUP and len(agent_apps.cancelled) == GROUP - 1
     assert free == 8 and open_rollouts == {}
 
 
 def test_groups_whose_agents_never_ask_the_policy_are_counted_and_stop_the_run_when_they_repeat(tmp_path, code_tasks, caplog):
-    """These agents never call the model, so no game has an episode: each group is dropped with a log line and
-    a count (rollout/groups_without_episodes), and as many in a row as lose a run to a gone environment stop it."""
+    """These agents never call the model, so no game has an episode: each group is dropped, counted
+    (rollout/lost_groups/no_episode) and said once in the log, and as many in a row as lose a run to a gone
+    environment stop it."""
     r = rollouts(tmp_path, code_tasks.url)
     agent_apps.fail_one = False
 
     async def main():
         try:
             first = await r.group(7)
-            with pytest.raises(GroupsLost, match=f"groups were dropped, the last for {GROUP} games that ended without asking the policy"):
+            with pytest.raises(GroupsLost, match=f"groups were lost, the last to no_episode .{GROUP} of a group's games ended without asking the policy"):
                 for seed in range(8, 8 + GROUPS_LOST_BEFORE_GIVING_UP):
                     await r.group(seed)
             return first
@@ -90,5 +92,26 @@ def test_groups_whose_agents_never_ask_the_policy_are_counted_and_stop_the_run_w
 
     with caplog.at_level(logging.WARNING, logger="forge_rl.rollout.rollouts"):
         first = asyncio.run(main())
-    assert first is None and r.groups_without_episodes == GROUPS_LOST_BEFORE_GIVING_UP
-    assert f"group on seed 7 dropped: {GROUP} of its games ended without asking the policy" in caplog.text
+    assert first is None and r.lost_groups == {"no_episode": GROUPS_LOST_BEFORE_GIVING_UP}
+    assert caplog.text.count("a game was lost to no_episode") == 1 and "ended without asking the policy" in caplog.text
+
+
+def test_an_agents_reward_that_is_no_finite_number_loses_its_group_and_its_evaluation_games(tmp_path, code_tasks):
+    """run_agent's reward is checked as every reward is: NaN, inf or a string loses the group, counted by its
+    reason, and an evaluation leaves such games out (eval/games 0 here) instead of stopping the run."""
+    r = rollouts(tmp_path, code_tasks.url)
+    agent_apps.fail_one = False
+
+    async def main():
+        try:
+            groups = []
+            for agent_apps.reward in (float("nan"), float("inf"), "0.7"):
+                groups.append(await r.group(7))
+            return groups, await Evaluation(r)()
+        finally:
+            agent_apps.reward = None
+            await r.close()
+
+    groups, evaluation = asyncio.run(main())
+    assert groups == [None] * 3 and r.lost_groups == {"reward_not_finite": 2, "reward_not_a_number": 1}
+    assert evaluation == {"eval/games": 0} and r.groups_lost_in_a_row == 3

@@ -121,6 +121,9 @@ def test_bad_requests_get_protocol_errors_and_leave_the_record_unharmed(tiny):
             bad_json = await http.post(f"{server.base_url(rollout)}/chat/completions", content=b"{not json")
             bad_anthropic = await http.post(f"{server.anthropic_base_url(rollout)}/v1/messages", json={"model": "policy"})
             unknown = await http.post(f"{server.url}/s/nobody/v1/chat/completions", json={"model": "policy", "messages": messages})
+            bad_rewards = [await http.post(f"{server.url}/s/{rollout}/end", content=body)  # json.loads reads NaN too
+                           for body in (b'{"reward": NaN}', b'{"reward": -Infinity}', b'{"reward": "0.7"}', b'{"reward": true}')]
+        assert [(r.status_code, r.json()["error"]["code"]) for r in bad_rewards] == [(400, "reward_not_finite")] * 2 + [(400, "reward_not_a_number")] * 2
         assert bad_json.status_code == 400 and bad_json.json()["error"]["type"] == "invalid_request_error"
         assert bad_anthropic.status_code == 400 and bad_anthropic.json()["type"] == "error"
         assert unknown.status_code == 404 and "unknown rollout" in unknown.json()["error"]["message"]

@@ -62,6 +62,8 @@ def test_bad_input_stops_the_config_check_with_one_line_naming_the_key(tmp_path)
     assert "row 1 of split 'train' has no text 'prompt' field" in refused(f"env.dataset={no_prompt}", "env.task_split=null", "eval.task_split=null")
     assert refused("eval.task_split=dev") == f"eval.task_split: 'dev' is not a split of apps/sums/sums.jsonl (it has: train, test)"
     assert refused("env.test_fraction=0.2").startswith("env.test_fraction: ")
+    with pytest.raises(ConfigError, match="^env.reward_timeout_s: expected > 0, got 0.0 "):
+        load_config(SUMS, ["env.reward_timeout_s=0"])
     assert refused("env.server=apps.blackjack.env:BlackJackEnvironment").startswith("env.server: env.dataset is served by")
     assert refused("app_module=apps.blackjack.natural").startswith("app_module 'apps.blackjack.natural': with env.dataset, reward(prompt_row, answer)")
 
@@ -86,7 +88,7 @@ def test_the_dataset_server_serves_the_rows_and_computes_the_apps_reward():
             first = (await session.reset(seed=0, split=split, index=index)).observation
             return first, (await session.step({"answer": answer})).observation
 
-    with launch_local(cfg.env.server, env=server_variables(cfg.env.dataset, cfg.app_module, 0.0)) as server:
+    with launch_local(cfg.env.server, env=server_variables(cfg.env.dataset, cfg.app_module, 0.0, 10.0)) as server:
         assert task_split_sizes(server.url, cfg) == {"train": 70, "test": 30}
         row = splits["test"][3]
         first, right = asyncio.run(play(server.url, "test", 3, str(row["answer"])))

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import websockets.asyncio.server
 
-from forge_rl.rollout.env_client import EnvCapacityError, EnvError, EnvSession, EpisodeAborted
+from forge_rl.core.rewards import RewardError
+from forge_rl.rollout.env_client import EnvCapacityError, EnvError, EnvSession, EnvTimeout, EpisodeAborted
 from forge_rl.envs.local import env_url, launch_local, server_python
 
 BLACKJACK = "apps.blackjack.env:BlackJackEnvironment"
@@ -137,19 +138,42 @@ def test_unreachable_server_fails_within_the_window_not_a_hang():
             run(session.reset(seed=1))
 
 
-def test_a_call_the_server_never_answers_times_out():
+def test_a_call_the_server_never_answers_times_out_and_is_not_sent_again():
+    received = []
+
     async def go():
         async def silent(ws):  # reads every message, answers none
-            async for _ in ws:
-                pass
+            async for message in ws:
+                received.append(json.loads(message)["type"])
 
         async with websockets.asyncio.server.serve(silent, "127.0.0.1", 0) as silent_server:
             port = silent_server.sockets[0].getsockname()[1]
-            session = EnvSession(f"http://127.0.0.1:{port}", timeout_s=0.3, max_restores=1)
-            with pytest.raises(EpisodeAborted, match="TimeoutError"):
+            session = EnvSession(f"http://127.0.0.1:{port}", timeout_s=0.3, max_restores=3)
+            with pytest.raises(EnvTimeout, match="no answer to a reset within timeout_s=0.3 s"):
                 await session.reset(seed=1)
+            await asyncio.sleep(0.5)
 
     run(go())
+    assert received.count("reset") == 1  # a timed-out call may still be running there: never sent again
+
+
+def test_a_reply_whose_reward_is_no_finite_number_is_the_episodes_error():
+    """A server that is not OpenEnv's (whose pydantic sends NaN as null) may send NaN, a bool or a string."""
+    async def go(reward: str):
+        async def server(ws):
+            async for message in ws:
+                done = json.loads(message)["type"] == "step"
+                await ws.send('{"type": "observation", "data": {"observation": {}, "reward": %s, "done": %s}}' % (reward if done else "null", str(done).lower()))
+
+        async with websockets.asyncio.server.serve(server, "127.0.0.1", 0) as ws_server:
+            async with EnvSession(f"http://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}", timeout_s=5) as session:
+                assert (await session.reset(seed=1)).reward is None
+                return await session.step({"action": "HIT"})
+
+    assert run(go("-0.5")).reward == -0.5
+    for reward, reason in [("NaN", "reward_not_finite"), ("Infinity", "reward_not_finite"), ("true", "reward_not_a_number"), ('"0.7"', "reward_not_a_number")]:
+        with pytest.raises(RewardError, match=f"^{reason}: "):
+            run(go(reward))
 
 
 def test_step_before_reset_and_bad_arguments_are_clear():

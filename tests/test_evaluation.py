@@ -86,7 +86,7 @@ def evaluated(tmp_path_factory):
             await policy.stop()  # a service stops itself; runtime.actor.stop is for actors
             await control.stop()
 
-    with launch_local(cfg.env.server, env=server_variables(str(data), cfg.app_module, 0.0), max_concurrent_envs=64) as server:
+    with launch_local(cfg.env.server, env=server_variables(str(data), cfg.app_module, 0.0, 10.0), max_concurrent_envs=64) as server:
         return asyncio.run(main(server.url))
 
 

@@ -4,7 +4,9 @@ listed over MCP, rendered into the first prompt by the chat template, a tool cal
 call_tool step, the tool's result the next turn, and submit's grade the episode's reward."""
 
 import asyncio
+import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -140,6 +142,16 @@ def test_an_answer_without_a_tool_call_is_invalid(tmp_path, server, scripted):
 
     result = played(r, Scripted(r.tokenizer, ["HIT"]))
     assert result.invalid and result.reward == -1.0 and result.turns[0][2] is None
+
+
+def test_an_apps_reward_that_is_no_finite_number_loses_the_game_not_the_run(tmp_path, server, scripted):
+    """An in-process app's reward (here NaN, a string, then raising) is checked: the game is lost with its reason,
+    said once in the log; nothing reaches an episode (its group would be lost, counted: tests/test_agents.py)."""
+    for reward, reason in [(math.nan, "reward_not_finite"), ("0.7", "reward_not_a_number"), (None, "ZeroDivisionError")]:
+        r = tool_rollouts(tmp_path, scripted, server.url)
+        r.app = dataclasses.replace(r.app, reward=lambda *_, value=reward: 1 / 0 if value is None else value)
+        result = played(r, Scripted(r.tokenizer, [call("submit", code=SOLUTION)]), Rollouts.play)
+        assert result.lost == reason and not result.episodes and r.reasons_said == {reason}
 
 
 def test_a_template_without_a_tool_format_gets_the_tools_in_the_system_message(tmp_path, server):

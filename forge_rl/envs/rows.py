@@ -18,7 +18,8 @@ PROMPT_FIELD = "prompt"
 SPLIT_FIELD = "split"
 # How a run tells the server it launches what to serve (dataset.py reads them); a server deployed on its own
 # (Kubernetes) is given the same variables.
-VARIABLES = {"dataset": "FORGE_RL_DATASET", "app_module": "FORGE_RL_DATASET_APP", "test_fraction": "FORGE_RL_DATASET_TEST_FRACTION"}
+VARIABLES = {"dataset": "FORGE_RL_DATASET", "app_module": "FORGE_RL_DATASET_APP", "test_fraction": "FORGE_RL_DATASET_TEST_FRACTION",
+             "reward_timeout_s": "FORGE_RL_DATASET_REWARD_TIMEOUT_S"}
 
 
 class DatasetError(ValueError):
@@ -88,7 +89,7 @@ def load_splits(path: str | Path, test_fraction: float = 0.0) -> dict[str, list[
     return splits
 
 
-def server_variables(dataset: str, app_module: str, test_fraction: float) -> dict[str, str]:
+def server_variables(dataset: str, app_module: str, test_fraction: float, reward_timeout_s: float) -> dict[str, str]:
     """The environment variables that make the dataset server serve `dataset` with `app_module`'s reward."""
     return {VARIABLES["dataset"]: str(Path(dataset).resolve()), VARIABLES["app_module"]: app_module,
-            VARIABLES["test_fraction"]: repr(float(test_fraction))}
+            VARIABLES["test_fraction"]: repr(float(test_fraction)), VARIABLES["reward_timeout_s"]: repr(float(reward_timeout_s))}

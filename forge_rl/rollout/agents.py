@@ -19,12 +19,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from forge_rl.core.rewards import checked_reward
 from forge_rl.rollout.chat_server import ChatServer
 from forge_rl.rollout.env_client import EpisodeAborted
 from forge_rl.rollout.play import GameResult
 from forge_rl.rollout.tools import call_tool_action, tool_result_text
-
-logger = logging.getLogger("forge_rl.agents")
 
 
 class EnvRecorder:
@@ -139,10 +138,10 @@ async def play_agent(rollouts, seed: int, group_id: str, asks, reset_args: dict 
             except asyncio.TimeoutError:
                 raise TimeoutError(f"run_agent took longer than chat.agent_timeout_s={cfg.chat.agent_timeout_s} s") from None
             if reward is None:
-                reward = float((env.last.reward if env.last is not None else None) or 0.0)
+                reward = (env.last.reward if env.last is not None else None) or 0.0
+            reward = checked_reward(reward, f"{rollouts.app.name}.run_agent")
     except EpisodeAborted as e:
-        logger.warning("agent on seed %d dropped: %s", seed, e)
-        return GameResult([], 0.0, False, aborted=True)
+        return GameResult([], 0.0, False, lost=rollouts.lost(e))
     finally:
         await server.end_rollout(rollout.rollout_id, reward)
-    return GameResult(rollout.episodes(group_id), float(reward), False)
+    return GameResult(rollout.episodes(group_id), reward, False)

@@ -24,7 +24,6 @@ import asyncio
 import json
 import logging
 import socket
-import sys
 import time
 import uuid
 from collections import OrderedDict
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from forge_rl.core.config import ChatConfig
+from forge_rl.core.rewards import RewardError, checked_reward
 from forge_rl.core.types import Completion, Episode
 from forge_rl.rollout.segments import Renderer, Segment, commit, normalize_message, plan_request
 
@@ -297,9 +297,9 @@ class ChatServer:
         try:
             self._rollout(request)
             body = await self._body(request) if request.can_read_body else {}
-            reward = body.get("reward")
-            if reward is not None and not isinstance(reward, (int, float)):
-                raise ChatError(400, f"reward must be a number or null, got {reward!r}")
+            reward = None if body.get("reward") is None else checked_reward(body["reward"], "the request")  # json.loads reads NaN
+        except RewardError as e:
+            return web.json_response({"error": {"message": f"reward must be a finite number or null: {e}", "code": e.reason}}, status=400)
         except ChatError as e:
             return web.json_response({"error": {"message": e.message, "code": e.code}}, status=e.status)
         rollout = await self.end_rollout(request.match_info["rollout_id"], reward)

@@ -2,13 +2,14 @@
 
 `EnvSession` speaks OpenEnv 0.10's protocol itself (wire.py; no openenv import) and adds what a training run
 needs from a remote environment:
-  - a timeout on every call (connect, reset, step), so a hung server cannot hang a rollout;
+  - a timeout on every call (connect, reset, step), so a hung server cannot hang a rollout; a reset or step
+    that timed out ends the episode (EnvTimeout), never sent again: the server may still be working on it;
   - reconnect-and-retry when the connection drops or the server restarts mid-episode, restoring
     the episode on the new session (see `restore`); an episode that cannot be restored raises
     `EpisodeAborted` and is dropped by the caller, never continued on a wrong state;
   - waiting for a session while the server is full (CAPACITY_REACHED), up to `capacity_wait_s`;
   - typed errors: `EnvCapacityError` (server at MAX_CONCURRENT_ENVS), `EnvError` (the server
-    refused a message; the session is still usable).
+    refused a message; the session is still usable), `RewardError` (its reply's reward is no finite number).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from websockets.exceptions import WebSocketException
 
+from forge_rl.core.rewards import REASONS, RewardError
 from forge_rl.rollout.wire import Connection, ServerError, StepResult
 
 RESTORE_MODES = ("replay", "reset", "none")
@@ -26,6 +28,8 @@ RESTORE_MODES = ("replay", "reset", "none")
 
 class EnvError(RuntimeError):
     """The server answered with an error (bad action, failed step); the session is still open."""
+
+    reason = "env_error"  # what a group lost to it counts as (rollouts.py); so for the errors below
 
 
 class EnvCapacityError(EnvError):
@@ -38,12 +42,23 @@ class EnvCapacityError(EnvError):
 class EpisodeAborted(RuntimeError):
     """The episode's session was lost and could not be restored: drop the episode."""
 
+    reason = "session_lost"
+
+
+class EnvTimeout(EpisodeAborted):
+    """A reset or step got no answer within timeout_s: the episode ends, the request is not sent again."""
+
+    reason = "env_timeout"
+
 
 # Failures after which the connection is in an unknown state: drop it, reconnect, restore.
 _TRANSIENT = (ConnectionError, OSError, WebSocketException, asyncio.TimeoutError, EOFError)
 
 
-def typed_error(error: ServerError) -> EnvError:
+def typed_error(error: ServerError) -> EnvError | RewardError:
+    reason, _, detail = str(error.data.get("message")).partition(": ")
+    if reason in REASONS:  # the dataset server's refusal of its reward function's answer (envs/dataset.py)
+        return RewardError(reason, detail)
     if error.code == "CAPACITY_REACHED":
         typed = EnvCapacityError(str(error))
         typed.max_sessions = error.data.get("max_sessions")
@@ -167,6 +182,10 @@ class EnvSession:
             return await asyncio.wait_for(self._conn.request(kind, payload), self.timeout_s)
         except ServerError as e:
             raise typed_error(e) from None
+        except asyncio.TimeoutError:
+            # Unlike a dropped connection, the server may still be working on it (a hung reward function): sent
+            # again on a new session it would hold that one too, and so on up to max_restores sessions.
+            raise EnvTimeout(f"{self.url}: no answer to a {kind} within timeout_s={self.timeout_s:g} s; the episode ends") from None
 
     async def _connect(self) -> None:
         """Open a connection if there is none, retrying with backoff; restore the episode if lost."""

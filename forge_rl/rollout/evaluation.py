@@ -41,7 +41,7 @@ class Evaluation:
     policies' mean rewards on those games (played once), `last` the figures of the last evaluation (its
     first two: the progress bar's headline), `samples` a few of its greedy games as text (the first
     split's first seeds: the same deals at every evaluation), `sampled_rewards` split -> per game the
-    rewards of its sampled games (aborted ones left out)."""
+    rewards of its sampled games (lost ones left out)."""
 
     def __init__(self, rollouts: Rollouts):
         self.rollouts = rollouts
@@ -110,16 +110,16 @@ class Evaluation:
         plays = [rollouts.play(s, f"eval{s}", greedy, args) for s, args in games]
         sampled = [self._sampled(i, s, args) for s, args in games] if n else []
         results = await gather_or_cancel(plays + sampled)
-        done = [r for r in results[: len(games)] if not r.aborted]
+        done = [r for r in results[: len(games)] if not r.lost]
         if i == 0:
             self.samples = rollouts.samples(done)
         if not done:
-            logger.warning("evaluation of %s: all %d games were aborted; no evaluation", self.splits[i] or "the seeds", len(games))
+            logger.warning("evaluation of %s: all %d games were lost; no evaluation", self.splits[i] or "the seeds", len(games))
             values = {"eval/games": 0}
         else:
             values = rollouts.app.eval_metrics(done, self.split_references[i])
         if n:
-            rewards = self.sampled_rewards[self.splits[i]] = [[r.reward for r in task if not r.aborted] for task in results[len(games) :]]
+            rewards = self.sampled_rewards[self.splits[i]] = [[r.reward for r in task if not r.lost] for task in results[len(games) :]]
             values.update(pass_figures(rewards, rollouts.cfg.eval.ks, rollouts.cfg.eval.pass_reward))
         return values
 
@@ -134,7 +134,7 @@ class Evaluation:
 
 def pass_figures(rewards: list[list[float]], ks: list[int], pass_reward: float) -> dict[str, float]:
     """eval/sampled_pass_at_<k>: pass_at_k's mean over the games, of each game's sampled rewards (a game with fewer than
-    k, its others aborted, left out; a k no game has enough samples for, not reported)."""
+    k, its others lost, left out; a k no game has enough samples for, not reported)."""
     counts = [(len(task), sum(r >= pass_reward for r in task)) for task in rewards]
     values = {}
     for k in ks:

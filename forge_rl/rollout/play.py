@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from forge_rl.core.app import App
 from forge_rl.core.config import ConfigError, SamplingConfig
 from forge_rl.core.episode import EpisodeRecord
+from forge_rl.core.rewards import checked_reward
 from forge_rl.core.types import Episode
 from forge_rl.rollout.env_client import EpisodeAborted
 from forge_rl.rollout.segments import end_of_turn
@@ -27,10 +28,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class GameResult:
-    episodes: list[Episode]  # none when the game had no decision or was aborted; a chat agent's may be several
+    episodes: list[Episode]  # none when the game had no decision or was lost; a chat agent's may be several
     reward: float
     invalid: bool  # ended by an answer the app's parse_action refused
-    aborted: bool = False  # the environment session was lost and could not be restored
+    lost: str = ""  # why the game has no result (rollouts.py): its session lost (session_lost), a reward refused, ...
     # (prompt ids of the turn, the answer's text, the action parse_action made of it) per turn: samples.jsonl
     turns: list[tuple[list[int], str, dict | None]] = field(default_factory=list)
     observation: dict | None = None  # the last one the environment sent: what an app's eval_metrics may read
@@ -182,11 +183,9 @@ async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict |
                     break
                 observation = (await timed("env", session.step(action))).observation
         except EpisodeAborted as e:
-            logger.warning("game on seed %d dropped: %s", seed, e)
-            rollouts.last_abort = str(e)
-            return GameResult([], 0.0, False, aborted=True)
+            return GameResult([], 0.0, False, lost=rollouts.lost(e))
     if invalid or observation["done"]:
-        reward = app.reward(observation, invalid, cfg.rollout.invalid_action_penalty)
+        reward = checked_reward(app.reward(observation, invalid, cfg.rollout.invalid_action_penalty), f"{app.name}.reward")
     else:  # cut off at rollout.max_turns: never scored better than losing (schema.py, rollout.cutoff_reward)
         reward = cfg.rollout.cutoff_score
     episodes = [record.to_episode(reward, group_id)] if record.completion_versions else []

@@ -3,8 +3,12 @@
     rollouts.group(seed) -> G episodes dealt from one seed (None when one of them was lost)
 
 It owns the environment sessions, the batcher that sends the games' requests to the policy together,
-the chat server of agent apps, and its counters (games played and aborted, groups dropped for a game
-without an episode, the recent rewards the progress bar shows). The policy is any object with `route(endpoint, ...)` (a Service of Generators).
+the chat server of agent apps, and its counters (games played and lost, groups lost by reason, the recent
+rewards the progress bar shows). The policy is any object with `route(endpoint, ...)` (a Service of Generators).
+
+A game that raises (a reward that is no finite number, a step that timed out, the server's refusal, an app's
+or agent's error) or whose session is lost costs its group, never the run: the group is dropped, its other
+games cancelled, and counted by reason (an error's `reason`, else its type's name), said in run.log once.
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections import Counter
 
 from forge_rl.core.app import App
 from forge_rl.core.config import RunConfig
+from forge_rl.core.errors import first_line
 from forge_rl.core.types import Completion, Episode
 from forge_rl.rollout.agents import play_agent, stop_chat_server
 from forge_rl.rollout.batching import RequestBatcher
@@ -23,7 +29,7 @@ from forge_rl.rollout.requests import SharedRequests
 from forge_rl.rollout.sessions import SessionPool
 
 SAMPLES_PER_EVENT = 3  # games logged as text each time samples are (samples.jsonl)
-GROUPS_LOST_BEFORE_GIVING_UP = 20  # groups in a row lost (every game aborted, or a game without an episode)
+GROUPS_LOST_BEFORE_GIVING_UP = 20  # groups lost in a row: the next would be too, something is broken
 logger = logging.getLogger(__name__)
 
 
@@ -41,11 +47,14 @@ async def gather_or_cancel(coroutines) -> list:
 
 
 class GroupsLost(RuntimeError):
-    """Every one of many groups in a row gave nothing to train on: the run stops (the next would too)."""
+    """Every one of many groups in a row gave nothing to train on (a gone environment server, a reward function
+    that always fails): the run stops, the next would too."""
 
 
-class EnvironmentLost(GroupsLost):
-    """No game can be played any more (the environment server stopped answering): the run stops."""
+class NoEpisode(RuntimeError):
+    """A game ended without asking the policy: nothing to train on, and its group is not comparable without it."""
+
+    reason = "no_episode"
 
 
 class Rollouts:
@@ -61,11 +70,12 @@ class Rollouts:
         self.batcher: RequestBatcher | None = None  # made on the first request (it needs the running loop)
         self.agents = None  # agent apps: the task starting the chat server (rollout/agents.py)
         self.episodes_played = 0
-        self.aborted_games = 0
-        self.groups_without_episodes = 0  # dropped: a game ended, not aborted, with nothing to train on
+        self.aborted_games = 0  # training games lost (GameResult.lost)
+        self.lost_groups: Counter[str] = Counter()  # reason -> training groups lost to it
         self.env_s = self.policy_s = 0.0  # seconds games waited on environments / on the policy, summed over games
-        self.groups_lost_in_a_row = 0  # groups aborted whole or dropped, since the last one that was neither
-        self.last_abort = ""  # why the last aborted game was
+        self.groups_lost_in_a_row = 0  # since the last group that was not lost
+        self.last_abort = ""  # why the last game was lost, in a line
+        self.reasons_said: set[str] = set()  # reasons a game was lost for, each said once in run.log
         self.recent: list[tuple[float, bool]] = []  # (reward, invalid) of recent training games
         self.last_group: list[GameResult] = []  # the games of the group that ended last (samples)
 
@@ -81,10 +91,28 @@ class Rollouts:
         return await self.batcher.generate(prompt_ids, params)
 
     async def play(self, seed: int, group_id: str, asks, reset_args: dict | None = None) -> GameResult:
-        """One game, or one agent run for an agent app (same arguments, same result)."""
+        """One game, or one agent run for an agent app (same arguments, same result); one that raised is a lost
+        game (an evaluation leaves it out)."""
+        try:
+            return await self.game(seed, group_id, asks, reset_args)
+        except Exception as e:
+            return GameResult([], 0.0, False, lost=self.lost(e))
+
+    async def game(self, seed: int, group_id: str, asks, reset_args: dict | None = None) -> GameResult:
+        """`play`, raising the game's error (a group cancels its other games on it)."""
         if self.app.is_agent:
             return await play_agent(self, seed, group_id, asks, reset_args)
         return await play_game(self, seed, group_id, asks, reset_args)
+
+    def lost(self, error: Exception) -> str:
+        """The reason `error` lost a game: its `reason`, else its type's name; said in run.log the first time
+        (with the traceback of an error no reason names)."""
+        reason, self.last_abort = getattr(error, "reason", type(error).__name__), first_line(error)
+        if reason not in self.reasons_said:
+            self.reasons_said.add(reason)
+            logger.warning("a game was lost to %s (its group is dropped and counted as rollout/lost_groups/%s; said once): %s",
+                           reason, reason, self.last_abort, exc_info=None if hasattr(error, "reason") else error)  # fmt: skip
+        return reason
 
     def task_reset_args(self, seed: int) -> dict | None:
         """With env.task_split, the group's task: the split and an index drawn from the run's and the group's
@@ -100,33 +128,31 @@ class Rollouts:
         cards, different decisions)."""
         size, reset_args = self.cfg.grpo.group_size, self.task_reset_args(seed)
         shared = SharedRequests(self.generate, size, self.sampling(), seed=(self.cfg.seed, seed))
-        results = await gather_or_cancel(self.play(seed, f"seed{seed}", shared, reset_args) for _ in range(size))
+        try:
+            results = await gather_or_cancel(self.game(seed, f"seed{seed}", shared, reset_args) for _ in range(size))
+        except Exception as e:
+            return self.lose_group(self.lost(e))
         self.episodes_played += len(results)
         self.last_group = results
-        self.aborted_games += sum(r.aborted for r in results)
+        self.aborted_games += sum(bool(r.lost) for r in results)
         self.env_s += sum(r.env_s for r in results)
         self.policy_s += sum(r.policy_s for r in results)
-        # A game that ended without asking the policy (an agent that never called the model, a game done at
-        # reset) has no episode: its group is not comparable, so it is dropped, and said so.
-        empty = sum(not r.aborted and not r.episodes for r in results)
-        if empty:
-            self.groups_without_episodes += 1
-            logger.warning("group on seed %d dropped: %d of its games ended without asking the policy", seed, empty)
-        lost = empty or all(r.aborted for r in results)
-        self.groups_lost_in_a_row = self.groups_lost_in_a_row + 1 if lost else 0
-        if self.groups_lost_in_a_row >= GROUPS_LOST_BEFORE_GIVING_UP and empty:
-            raise GroupsLost(
-                f"the last {self.groups_lost_in_a_row} groups were dropped, the last for {empty} games that ended "
-                "without asking the policy: an agent must call the model (ctx.base_url), a game must reach a decision"
-            )
+        self.recent = (self.recent + [(r.reward, r.invalid) for r in results if not r.lost])[-2000:]
+        if empty := sum(not r.lost and not r.episodes for r in results):
+            hint = "an agent must call the model (ctx.base_url), a game must reach a decision"
+            return self.lose_group(self.lost(NoEpisode(f"{empty} of a group's games ended without asking the policy: {hint}")))
+        if lost := next((r.lost for r in results if r.lost), None):
+            return self.lose_group(lost)  # a group with a dropped game is not comparable
+        self.groups_lost_in_a_row = 0
+        return [e for r in results for e in r.episodes]
+
+    def lose_group(self, reason: str) -> None:
+        """A group lost to `reason`, counted; GROUPS_LOST_BEFORE_GIVING_UP in a row stop the run."""
+        self.lost_groups[reason] += 1
+        self.groups_lost_in_a_row += 1
         if self.groups_lost_in_a_row >= GROUPS_LOST_BEFORE_GIVING_UP:
-            raise EnvironmentLost(
-                f"every game of the last {self.groups_lost_in_a_row} groups was aborted (last: {self.last_abort}): "
-                "the environment server is gone; check env.url / env.server"
-            )
-        self.recent = (self.recent + [(r.reward, r.invalid) for r in results if not r.aborted])[-2000:]
-        episodes = [e for r in results for e in r.episodes]
-        return episodes if all(r.episodes for r in results) else None  # a group with a dropped game is not comparable
+            hint = "; is the environment server gone? check env.url / env.server" if reason == "session_lost" else ""
+            raise GroupsLost(f"the last {self.groups_lost_in_a_row} groups were lost, the last to {reason} ({self.last_abort}){hint}")
 
     def samples(self, results: list[GameResult]) -> list[dict]:
         """The first SAMPLES_PER_EVENT games of `results` to read: each turn's prompt as the policy read it

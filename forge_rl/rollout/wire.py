@@ -29,6 +29,8 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import WebSocketException
 
+from forge_rl.core.rewards import checked_reward
+
 MAX_MESSAGE_BYTES = 100 * 1024 * 1024  # OpenEnv's client default: an observation may carry a program's output
 
 
@@ -94,7 +96,10 @@ class Connection:
         if message.get("type") == "error":
             raise ServerError(self.url, message.get("data", {}))
         payload = message.get("data", {})
-        reward, done = payload.get("reward"), bool(payload.get("done", False))
+        # A reward is a finite number or none (not done yet; OpenEnv's server sends a NaN or inf as none, so a server
+        # must check its own, as the dataset server does); anything else is this episode's error.
+        reward = None if payload.get("reward") is None else checked_reward(payload["reward"], f"{self.url}'s reply")
+        done = bool(payload.get("done", False))
         return StepResult({**payload.get("observation", {}), "reward": reward, "done": done}, reward, done)
 
     async def mcp(self, method: str, params: dict[str, Any] | None = None) -> Any:

@@ -11,8 +11,8 @@ from forge_rl.envs.rows import VARIABLES
 
 @pytest.fixture
 def serve(monkeypatch):
-    def serve(path, app_module="apps.sums.task", test_fraction=0.0):
-        for key, value in (("dataset", path), ("app_module", app_module), ("test_fraction", test_fraction)):
+    def serve(path, app_module="apps.sums.task", test_fraction=0.0, reward_timeout_s=10.0):
+        for key, value in (("dataset", path), ("app_module", app_module), ("test_fraction", test_fraction), ("reward_timeout_s", reward_timeout_s)):
             monkeypatch.setenv(VARIABLES[key], str(value))
         dataset.served.cache_clear()
         return dataset.DatasetEnvironment()

@@ -40,6 +40,7 @@ class EnvConfig:
     server_python: Optional[str] = None  # env.server's interpreter; None: .venv-env/bin/python beside the training venv
     dataset: Optional[str] = None  # a JSONL file or HF datasets directory of prompts, served by envs/dataset.py
     test_fraction: float = 0.0  # with env.dataset whose rows name no split: this share held out as split "test"
+    reward_timeout_s: float = 10.0  # env.dataset: a reward function taking longer is its episode's error (< timeout_s)
     DATASET_SERVER: ClassVar[str] = "forge_rl.envs.dataset:DatasetEnvironment"  # what env.dataset launches
 
     def check(self, key):
@@ -47,7 +48,7 @@ class EnvConfig:
             self.server = self.DATASET_SERVER  # launched on loopback like any env.server; check.py reads the dataset
         if (self.url is None) == (self.server is None):
             raise ConfigError(f"{key}: set exactly one of env.url or env.server")
-        check_positive(self, key, "max_concurrent", "timeout_s", "capacity_wait_s")
+        check_positive(self, key, "max_concurrent", "timeout_s", "capacity_wait_s", "reward_timeout_s")
         check_mapping(self, key, "reset_args")
 
 

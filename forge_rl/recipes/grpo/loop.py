@@ -21,19 +21,17 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from forge_rl.core.config import RunConfig
-from forge_rl.core.errors import first_line
 from forge_rl.recipes.grpo.checkpoint import save_checkpoint
 from forge_rl.recipes.grpo.learner import Learner
 from forge_rl.recipes.grpo.state import RunState
 from forge_rl.recipes.metrics import MetricsLogger, sample_line
 from forge_rl.rollout.evaluation import Evaluation, figures
-from forge_rl.rollout.rollouts import GroupsLost, Rollouts
+from forge_rl.rollout.rollouts import Rollouts
 from forge_rl.runtime.actor import call
 
 logger = logging.getLogger(__name__)
 BUFFER_TIMEOUT_S = 60.0  # per call to the replay buffer actor (every endpoint returns at once)
 STALL_WARNING_S = 60.0  # a training loop without a step for this long says what it waits for
-FAILED_GROUPS_BEFORE_STOPPING = 20  # groups in a row lost to unexpected errors: something is broken
 
 
 class InFlight:
@@ -82,7 +80,6 @@ class Job:
     buffer: object  # ReplayBufferActor
     metrics: MetricsLogger
     stopping: asyncio.Event
-    rollout_errors: int = 0  # groups lost to an unexpected error (logged)
     in_flight: InFlight | None = None  # asynchronous mode: the groups being played (rollout_worker)
 
     async def buffer_stats(self) -> dict:
@@ -92,10 +89,9 @@ class Job:
 async def rollout_worker(job: Job) -> None:
     """Plays groups with whatever weights the policy serves now; waits only while a batch is ready.
 
-    An unexpected error loses that group (logged and counted) and the worker goes on; errors on
-    every one of many groups in a row mean something is broken, and stop the run with the error.
+    A game's error loses its group, counted, as in `collect_synchronously` (Rollouts.group, which stops
+    the run after many in a row); any other error stops the run (next_batch sees the worker end).
     """
-    failures_in_a_row = 0
     while not job.stopping.is_set():
         # Back-pressure: one batch waiting is enough; more would only go stale while taking the
         # trainer's CPU (on a small machine they share it).
@@ -112,16 +108,6 @@ async def rollout_worker(job: Job) -> None:
             group = await job.rollouts.group(seed)
             if group:
                 await call(job.buffer, "add", group, timeout_s=BUFFER_TIMEOUT_S)
-            failures_in_a_row = 0
-        except GroupsLost:  # counted and bounded by Rollouts itself
-            raise
-        except Exception as e:
-            job.rollout_errors += 1
-            failures_in_a_row += 1
-            logger.warning("group on seed %d lost: %s", seed, first_line(e))
-            if failures_in_a_row >= FAILED_GROUPS_BEFORE_STOPPING:
-                raise
-            await asyncio.sleep(0.5)
         finally:
             job.in_flight.end(version)
 
@@ -175,10 +161,9 @@ async def warn_if_stalled(job: Job, since: float) -> float:
     stats, rollouts = await job.buffer_stats(), job.rollouts
     logger.warning(
         "no train step for %.0f s: the replay buffer holds %d of the %d groups a step needs (groups added %d, "
-        "refused for equal rewards %d, evicted as older than max_policy_age %d; games played %d, aborted %d, "
-        "groups lost to errors %d, dropped for a game without an episode %d)",
+        "refused for equal rewards %d, evicted as older than max_policy_age %d; games played %d, lost %d; groups lost %s)",
         time.time() - since, stats["groups"], job.cfg.grpo.batch_size, stats["added"], stats["filtered_zero_spread"],
-        stats["evicted_stale"], rollouts.episodes_played, rollouts.aborted_games, job.rollout_errors, rollouts.groups_without_episodes,
+        stats["evicted_stale"], rollouts.episodes_played, rollouts.aborted_games, dict(rollouts.lost_groups),
     )
     return time.time()
 
@@ -227,9 +212,8 @@ async def train(job: Job, progress, workers: list[asyncio.Task]) -> None:
             "train/reward": reward,
             "train/invalid_rate": invalid_rate,
             "train/episodes_per_s": (rollouts.episodes_played - episodes_at_start) / (time.time() - start),
-            "rollout/errors": job.rollout_errors,
             "rollout/aborted_games": rollouts.aborted_games,
-            "rollout/groups_without_episodes": rollouts.groups_without_episodes,
+            **{f"rollout/lost_groups/{reason}": n for reason, n in rollouts.lost_groups.items()},
             "rollout/env_s": rollouts.env_s,  # totals over the run's games: what share of a game was the environment's
             "rollout/policy_s": rollouts.policy_s,
         })

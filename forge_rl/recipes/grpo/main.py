@@ -161,7 +161,7 @@ async def main(cfg: RunConfig) -> None:
     dump(cfg, run_dir / "config.yaml")  # the resolved config, to reproduce the run
     print(f"logs of every process (vLLM, Monarch): {run_dir / 'run.log'}")
     try:
-        dataset = server_variables(cfg.env.dataset, cfg.app_module, cfg.env.test_fraction) if cfg.env.dataset else None
+        dataset = cfg.env.dataset and server_variables(cfg.env.dataset, cfg.app_module, cfg.env.test_fraction, cfg.env.reward_timeout_s)
         url, local_server = env_url(cfg.env.url, cfg.env.server, cfg.env.max_concurrent, cfg.env.server_python, dataset)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
