@@ -67,12 +67,17 @@ def test_tools_are_listed_over_mcp_and_called_as_steps(server):
     assert failed.done and failed.reward < 1.0
 
 
-def test_a_tool_call_is_parsed_only_when_it_is_one():
-    assert parse_tool_call('x <tool_call>\n{"name": "submit", "arguments": "{\\"code\\": \\"1\\"}"}\n</tool_call> y') == {
+def test_a_tool_call_is_parsed_only_when_it_is_one_and_any_text_is_survived():
+    """vLLM's Hermes parser, the agent form's (chat.tool_parser: hermes), reads the call; arguments that are not a
+    JSON object are no call, as the agent form's call_tool refuses them. The policy's own text, however deep its
+    brackets, is read without an error (a RecursionError before)."""
+    assert parse_tool_call('x <tool_call>\n{"name": "submit", "arguments": {"code": "1"}}\n</tool_call> y') == {
         "type": "call_tool", "tool_name": "submit", "arguments": {"code": "1"}}
-    for text in ["HIT", "<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
-                 '<tool_call>{"name": "submit", "arguments": [1]}</tool_call>', '<tool_call>{"name": "submit"']:
-        assert parse_tool_call(text) is None, text
+    for text in ["<tool_call>" + "[" * 100_000 + "</tool_call>", "<tool_call>" + '{"a":' * 100_000, "HIT",
+                 "<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
+                 '<tool_call>{"name": "submit", "arguments": [1]}</tool_call>', '<tool_call>{"name": "submit"',
+                 '<tool_call>{"name": "submit", "arguments": "{\\"code\\": \\"1\\"}"}</tool_call>']:
+        assert parse_tool_call(text) is None, text[:80]
 
 
 @pytest.fixture(scope="module")
@@ -137,11 +142,14 @@ def test_a_game_calls_the_tools_and_earns_the_environments_reward(tmp_path, serv
     assert episode.tokens.tolist() == asks.prompts[1] + tokenizer(call("submit", code=SOLUTION), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
-def test_an_answer_without_a_tool_call_is_invalid(tmp_path, server, scripted):
-    r = tool_rollouts(tmp_path, scripted, server.url, "rollout.invalid_action_penalty=1.0")
+def test_an_answer_without_a_tool_call_is_invalid_and_scored_alike_in_both_forms(tmp_path, server, scripted):
+    r = tool_rollouts(tmp_path, scripted, server.url, "rollout.invalid_action_penalty=0.5")
+    agent = tool_rollouts(tmp_path, scripted, server.url, "rollout.invalid_action_penalty=0.5", "app_module=apps.coder.tools_agent",
+                          "chat.tool_parser=hermes")  # fmt: skip
 
     result = played(r, Scripted(r.tokenizer, ["HIT"]))
-    assert result.invalid and result.reward == -1.0 and result.turns[0][2] is None
+    assert result.invalid and result.reward == -0.5 and result.turns[0][2] is None
+    assert played(agent, Scripted(r.tokenizer, ["HIT"]), Rollouts.play).reward == -0.5  # the agent form's (0 before)
 
 
 def test_an_apps_reward_that_is_no_finite_number_loses_the_game_not_the_run(tmp_path, server, scripted):

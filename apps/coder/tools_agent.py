@@ -25,11 +25,11 @@ async def run_agent(ctx) -> float | None:
             reply = await client.chat.completions.create(model=ctx.model, messages=messages, tools=ctx.tools)
         except BadRequestError as e:
             if e.code == "context_length_exceeded":  # the conversation outgrew generator.max_model_len
-                return 0.0
+                return ctx.cutoff_reward  # as the environment form scores it
             raise
         message = reply.choices[0].message
         if not message.tool_calls:
-            return 0.0  # an answer that calls no tool ends the episode unsubmitted
+            return ctx.invalid_reward  # an answer that calls no tool is invalid, as in the environment form
         messages.append(message.model_dump(exclude_none=True))
         for call in message.tool_calls:
             result = await ctx.env.call_tool(call.function.name, call.function.arguments)

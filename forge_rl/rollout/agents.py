@@ -75,6 +75,10 @@ class AgentContext:
     http_client: Any = None
     # With MCP_TOOLS: the environment's tools as OpenAI function specs, the SDK's `tools=` (rollout/tools.py).
     tools: list[dict] = field(default_factory=list)
+    # What the environment form scores an invalid answer (-rollout.invalid_action_penalty) and a game cut off
+    # (rollout.cutoff_reward, or a prompt past generator.max_model_len): the two forms of an app score alike.
+    invalid_reward: float = 0.0
+    cutoff_reward: float = 0.0
 
 
 @dataclass
@@ -132,7 +136,7 @@ async def play_agent(rollouts, seed: int, group_id: str, asks, reset_args: dict 
         async with rollouts.sessions.session() as session:
             env = EnvRecorder(session, reset_args or cfg.env.reset_args)
             ctx = AgentContext(f"{base}/v1", base, "forge-rl", cfg.chat.model_name, seed, env, agents.http_client,
-                               [dict(spec) for spec in rollouts.app.tools])
+                               [dict(spec) for spec in rollouts.app.tools], -cfg.rollout.invalid_action_penalty, cfg.rollout.cutoff_score)
             try:
                 reward = await asyncio.wait_for(rollouts.app.run_agent(ctx), cfg.chat.agent_timeout_s)
             except asyncio.TimeoutError:

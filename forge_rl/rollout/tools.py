@@ -8,7 +8,8 @@ the form chat templates and the OpenAI API take. Then each game (play.py):
     the first turn     the app's render_prompt(reset observation), with the tools passed to the chat template
                        (`apply_chat_template(..., tools=...)`); a template without a tool format gets them as a
                        Hermes-style block in the system message instead (`tools_in_system`)
-    the answer         its first <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes, Qwen) becomes
+    the answer         its first <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes, Qwen), read by
+                       vLLM's Hermes tool parser as the chat server's `chat.tool_parser: hermes` reads it, becomes
                        OpenEnv's CallToolAction `{"type": "call_tool", "tool_name", "arguments"}`, sent as a step;
                        an answer without one is invalid (the episode ends, rollout.invalid_action_penalty)
     the next turn      the tool's result (a CallToolObservation: its text content, or the error the server
@@ -24,14 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
-import re
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from forge_rl.rollout.wire import Connection
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 HERMES_TOOLS = (
     "You may call one of these tools:\n<tools>\n{tools}\n</tools>\n"
@@ -90,21 +90,24 @@ def call_tool_action(name: str, arguments: Mapping | str | None) -> dict:
 
 def parse_tool_call(text: str, observation: Any = None) -> dict | None:
     """The answer's first tool call as a call_tool action, or None when it has none a server could call (no
-    <tool_call> block, not JSON, no name, arguments not an object). A call of an unknown tool is sent as it is:
-    the environment's answer (tool_not_found) is what the policy learns from."""
-    match = _TOOL_CALL.search(text)
-    if match is None:
-        return None
+    <tool_call> block, not JSON, no name, arguments not an object); any text the policy writes. A call of an
+    unknown tool is sent as it is: the environment's answer (tool_not_found) is what the policy learns from."""
+    calls = _hermes().extract_tool_calls(text, None).tool_calls  # any error of its reading is "no call"
     try:
-        call = json.loads(match.group(1))
-        arguments = call.get("arguments", {})
-        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except (ValueError, AttributeError):
+        return call_tool_action(calls[0].function.name, calls[0].function.arguments) if calls else None
+    except ValueError:
         return None
-    name = call.get("name")
-    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
-        return None
-    return {"type": "call_tool", "tool_name": name, "arguments": arguments}
+
+
+@functools.cache
+def _hermes():
+    """vLLM's Hermes tool parser. Reading a whole answer needs no tokenizer (only streaming does), and this one
+    parses in the training loop, before any tokenizer: it gets a placeholder. A malformed call is the policy's
+    answer, not a fault: vLLM's traceback of each is left out of run.log."""
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser, logger
+
+    logger.setLevel(logging.CRITICAL)
+    return Hermes2ProToolParser(tokenizer=object())
 
 
 def is_tool_result(observation: Mapping) -> bool:
