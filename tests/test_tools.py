@@ -152,6 +152,19 @@ def test_an_answer_without_a_tool_call_is_invalid_and_scored_alike_in_both_forms
     assert played(agent, Scripted(r.tokenizer, ["HIT"]), Rollouts.play).reward == -0.5  # the agent form's (0 before)
 
 
+def test_a_prompt_grown_past_max_model_len_cuts_the_game_off(tmp_path, server, scripted):
+    """A tool's output grows the next prompt past generator.max_model_len (the first is 284 tokens): the game is cut
+    off there, scored as one cut off at max_turns, its first turn trained; the policy is never asked with a prompt
+    vLLM would refuse."""
+    r = tool_rollouts(tmp_path, scripted, server.url, "generator.max_model_len=512", "rollout.cutoff_reward=-0.25")
+    asks = Scripted(r.tokenizer, [call("run_python", code="print('x ' * 1000)"), call("submit", code=SOLUTION)])
+
+    result = played(r, asks)
+    assert result.overflowed and result.reward == -0.25 and len(asks.prompts) == 1 and len(result.turns) == 1
+    (episode,) = result.episodes
+    assert len(episode.tokens) < 512 and episode.reward == -0.25
+
+
 def test_an_apps_reward_that_is_no_finite_number_loses_the_game_not_the_run(tmp_path, server, scripted):
     """An in-process app's reward (here NaN, a string, then raising) is checked: the game is lost with its reason,
     said once in the log; nothing reaches an episode (its group would be lost, counted: tests/test_agents.py)."""

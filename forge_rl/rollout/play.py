@@ -32,6 +32,7 @@ class GameResult:
     reward: float
     invalid: bool  # ended by an answer the app's parse_action refused
     lost: str = ""  # why the game has no result (rollouts.py): its session lost (session_lost), a reward refused, ...
+    overflowed: bool = False  # cut off for a prompt of generator.max_model_len tokens
     # (prompt ids of the turn, the answer's text, the action parse_action made of it) per turn: samples.jsonl
     turns: list[tuple[list[int], str, dict | None]] = field(default_factory=list)
     observation: dict | None = None  # the last one the environment sent: what an app's eval_metrics may read
@@ -164,7 +165,7 @@ async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict |
             observation = (await timed("env", session.reset(seed=seed, **(reset_args or cfg.env.reset_args)))).observation
             template = cfg.model.chat_template_kwargs
             prompt = prompt_ids(app, tokenizer, observation, True, template_kwargs=template)
-            record, invalid, turns = EpisodeRecord(prompt), False, []
+            record, invalid, overflowed, turns = EpisodeRecord(), False, False, []
             previous = None  # (prompt ids, answer ids) of the last turn, for the group's shared requests
             for turn in range(cfg.rollout.max_turns):
                 if observation["done"]:
@@ -172,7 +173,11 @@ async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict |
                 if turn:
                     unclosed = record.token_ids[-1] != end_of_turn(tokenizer)[1]
                     prompt = prompt_ids(app, tokenizer, observation, False, unclosed, template)
-                    record.add_prompt(prompt)
+                # vLLM refuses a prompt of max_model_len tokens (tool outputs can grow one past it): the game is cut
+                # off there, as at max_turns, its earlier turns kept
+                if overflowed := len(record.token_ids) + len(prompt) >= cfg.generator.max_model_len:
+                    break
+                record.add_prompt(prompt)
                 completion = await timed("policy", asks.answer(list(record.token_ids), previous))
                 previous = (tuple(completion.prompt_ids), tuple(completion.token_ids))
                 record.add_completion(completion)
@@ -184,9 +189,10 @@ async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict |
                 observation = (await timed("env", session.step(action))).observation
         except EpisodeAborted as e:
             return GameResult([], 0.0, False, lost=rollouts.lost(e))
-    if invalid or observation["done"]:
+    if not overflowed and (invalid or observation["done"]):
         reward = checked_reward(app.reward(observation, invalid, cfg.rollout.invalid_action_penalty), f"{app.name}.reward")
-    else:  # cut off at rollout.max_turns: never scored better than losing (schema.py, rollout.cutoff_reward)
+    else:  # cut off: never scored better than losing (schema.py, rollout.cutoff_reward)
         reward = cfg.rollout.cutoff_score
     episodes = [record.to_episode(reward, group_id)] if record.completion_versions else []
-    return GameResult(episodes, reward, invalid, turns=turns, observation=observation, env_s=clock["env"], policy_s=clock["policy"])
+    return GameResult(episodes, reward, invalid, turns=turns, observation=observation, env_s=clock["env"],
+                      policy_s=clock["policy"], overflowed=overflowed)

@@ -71,6 +71,7 @@ class Rollouts:
         self.agents = None  # agent apps: the task starting the chat server (rollout/agents.py)
         self.episodes_played = 0
         self.aborted_games = 0  # training games lost (GameResult.lost)
+        self.prompt_overflows = 0  # training games cut off for a prompt of generator.max_model_len tokens
         self.lost_groups: Counter[str] = Counter()  # reason -> training groups lost to it
         self.env_s = self.policy_s = 0.0  # seconds games waited on environments / on the policy, summed over games
         self.groups_lost_in_a_row = 0  # since the last group that was not lost
@@ -135,6 +136,7 @@ class Rollouts:
         self.episodes_played += len(results)
         self.last_group = results
         self.aborted_games += sum(bool(r.lost) for r in results)
+        self.prompt_overflows += sum(r.overflowed for r in results)
         self.env_s += sum(r.env_s for r in results)
         self.policy_s += sum(r.policy_s for r in results)
         self.recent = (self.recent + [(r.reward, r.invalid) for r in results if not r.lost])[-2000:]

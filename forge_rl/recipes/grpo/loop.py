@@ -213,6 +213,7 @@ async def train(job: Job, progress, workers: list[asyncio.Task]) -> None:
             "train/invalid_rate": invalid_rate,
             "train/episodes_per_s": (rollouts.episodes_played - episodes_at_start) / (time.time() - start),
             "rollout/aborted_games": rollouts.aborted_games,
+            "rollout/prompt_overflows": rollouts.prompt_overflows,
             **{f"rollout/lost_groups/{reason}": n for reason, n in rollouts.lost_groups.items()},
             "rollout/env_s": rollouts.env_s,  # totals over the run's games: what share of a game was the environment's
             "rollout/policy_s": rollouts.policy_s,
