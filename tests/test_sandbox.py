@@ -127,16 +127,19 @@ def test_a_sandbox_failing_after_its_check_is_reported_and_never_graded(mode):
 # Run by a user other than root: a program in rlimits mode tries to kill the process that made the sandbox,
 # read its environment, and survive its run; the script reports what it saw.
 NOT_ROOT = textwrap.dedent("""
-    import json, os, sys, time
+    import json, os, socket, sys, time
     sys.path.insert(0, sys.argv[1])
     from apps.coder.grading import grade
     from apps.coder.sandbox import Limits, Sandbox
 
     me = os.getpid()
     sandbox = Sandbox(Limits(timeout_s=5), isolation="rlimits")
-    attack = (f"import os, signal, time\\n"
+    listener = socket.create_server(("127.0.0.1", 0))  # as the server's port, or the controller's
+    attack = (f"import os, signal, socket, time\\n"
               f"try:\\n    print(open('/proc/{me}/environ').read())\\nexcept OSError as e:\\n    print('refused', type(e).__name__)\\n"
               f"try:\\n    os.kill({me}, signal.SIGKILL)\\nexcept OSError as e:\\n    print('refused', type(e).__name__)\\n"
+              f"try:\\n    socket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), timeout=2)\\n    print('connected')\\n"
+              f"except OSError as e:\\n    print('refused', type(e).__name__)\\n"
               f"if os.fork() == 0:\\n    os.setsid()\\n    time.sleep(60)\\n")
     run = sandbox.run(attack)
     graded = grade(sandbox, attack + "def f(x):\\n    return x\\n", "f", ["assert f(1) == 1"])
@@ -162,13 +165,14 @@ NOT_ROOT = textwrap.dedent("""
 def test_rlimits_without_root_keeps_the_server_out_of_reach():
     """rlimits mode as a user other than root (a uid of its own, when the suite runs as root): each program runs in
     its own PID namespace (util-linux unshare in a user namespace), so neither a run nor a graded program
-    can signal the process that runs the sandbox or read its /proc entries, and nothing outlives a run."""
+    can signal the process that runs the sandbox or read its /proc entries, and nothing outlives a run; and its
+    own network namespace: it cannot connect to a port on loopback (it did before #53)."""
     proc = as_another_user(NOT_ROOT, {"FORGE_SANDBOX_SECRET": "1"})
     if proc.returncode == 0 and not json.loads(proc.stdout)["unshare"]:
         pytest.skip("user namespaces are not allowed here: the documented fallback (the server's uid) applies")
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     seen = json.loads(proc.stdout)
-    assert seen["stdout"].split() == ["refused", "FileNotFoundError", "refused", "ProcessLookupError"], seen
+    assert seen["stdout"].split() == ["refused", "FileNotFoundError", "refused", "ProcessLookupError", "refused", "OSError"], seen
     assert not seen["secret_seen"] and seen["graded"] == [None] and not seen["survivors"], seen
 
 

@@ -151,9 +151,10 @@ def writable_by_anyone() -> tuple[str, ...]:
 
 
 def own_pid_namespace(python: str) -> list[str]:
-    """The command prefix that runs a program in a PID namespace (and /proc) of its own without root
-    (util-linux `unshare` in a user namespace), or [] where this host does not allow it."""
-    prefix = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc"]
+    """The command prefix that runs a program in a PID namespace (and /proc) of its own without root (util-linux
+    `unshare` in a user namespace), and a network namespace (loopback down: no server, no controller), or []
+    where this host does not allow it."""
+    prefix = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--net"]
     try:
         proc = subprocess.run(prefix + [python, "-I", "-c", "import os; print(os.getpid())"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):

@@ -17,7 +17,7 @@ Both modes apply rlimits (CPU seconds, address space, file size, processes, no c
 scrubbed environment. Run as root, each call also gets its own unused uid, so RLIMIT_NPROC (which
 root ignores) holds, the server's files and /proc entries are out of reach, and leftover
 processes of the run are swept with `kill(-1)` as that uid. Without root, rlimits mode gives each
-call its own PID namespace and /proc where user namespaces allow (`unshare`): the server is out of
+call its own PID namespace and /proc, and network, where user namespaces allow (`unshare`): the server is out of
 its reach; where not, it shares the server's uid and can signal it. A sandbox checks itself when made
 (a known program must run and print, or it raises).
 
