@@ -8,6 +8,7 @@ import time
 
 from tests.yes_no_app import ACTIONS, parse_action, render_prompt  # noqa: F401
 
+REFERENCE_POLICIES = {"always_yes": lambda observation: "yes"}
 BAD = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "str": "0.7", "bool": True}
 
 

@@ -20,11 +20,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from forge_rl.core.config import EnvConfig
+from forge_rl.core.app import load_app
+from forge_rl.core.config import EnvConfig, load_config
 from forge_rl.core.rewards import RewardError, checked_reward
 from forge_rl.envs.local import launch_local
 from forge_rl.envs.rows import server_variables
 from forge_rl.recipes.metrics import read_metrics
+from forge_rl.rollout.evaluation import Evaluation
+from forge_rl.rollout.rollouts import Rollouts
 from forge_rl.rollout.env_client import EnvSession, EnvTimeout
 
 pytestmark = pytest.mark.timeout(600)
@@ -89,6 +92,26 @@ def test_a_step_that_timed_out_is_never_sent_again(tmp_path):
         assert time.monotonic() - start < 5
         time.sleep(2)  # time for any step sent again to arrive
     assert (tmp_path / "calls").read_text().split() == ["hang"]
+
+
+def test_reference_policies_leave_a_lost_game_out(tmp_path):
+    """The reference policies' games (played when a run starts, and again when it restarts) meet the same bad
+    rewards: each such game is left out of their figure instead of stopping the run at start."""
+    cfg = load_config(ROOT / "configs" / "blackjack_tiny_cpu.yaml", ["app_module=tests.hostile_app", "env.server=null",
+                      f"env.dataset={rows(tmp_path / 'rows.jsonl')}", "eval.task_split=train", "eval.num_games=8"])  # fmt: skip
+    app = load_app(cfg.app_module, cfg.sampling.constrained, dataset=True)
+    with hostile_server(tmp_path, reward_timeout_s=1.0, sessions=8) as server:
+        rollouts = Rollouts(cfg, app, None, None, server.url, None)  # no policy: references need none
+        rollouts.num_tasks = {"train": 1 + len(KINDS)}
+
+        async def play():
+            try:
+                return await Evaluation(rollouts).play_references()
+            finally:
+                await rollouts.close()
+
+        assert asyncio.run(play()) == {"eval/reference/always_yes": 1.0}  # row 0's; the 7 bad rows' games left out
+    assert rollouts.reasons_said == set(KINDS.values())
 
 
 @pytest.mark.slow  # two minutes of a real run (vLLM engine, trainer, reference): make test-slow runs it

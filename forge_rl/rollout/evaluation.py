@@ -8,6 +8,7 @@ import asyncio
 import logging
 import math
 
+from forge_rl.core.rewards import checked_reward
 from forge_rl.rollout.requests import GreedyAnswers, SharedRequests
 from forge_rl.rollout.rollouts import Rollouts, gather_or_cancel
 
@@ -83,16 +84,20 @@ class Evaluation:
 
     async def _play_reference(self, policy, seed: int, reset_args: dict) -> float | None:
         """One game of a reference policy (observation -> answer text, or None where it has no answer) on
-        its own session: its reward, None if it had no answer."""
+        its own session: its reward, None if it had no answer or was lost (as a game is, Rollouts.play)."""
         app = self.rollouts.app
-        async with self.rollouts.sessions.session() as session:
-            observation = (await session.reset(seed=seed, **reset_args)).observation
-            while not observation["done"]:
-                answer = policy(observation)
-                if answer is None:
-                    return None
-                observation = (await session.step(app.parse_action(answer, observation))).observation
-        return app.reward(observation, False, 0.0)
+        try:
+            async with self.rollouts.sessions.session() as session:
+                observation = (await session.reset(seed=seed, **reset_args)).observation
+                while not observation["done"]:
+                    answer = policy(observation)
+                    if answer is None:
+                        return None
+                    observation = (await session.step(app.parse_action(answer, observation))).observation
+            return checked_reward(app.reward(observation, False, 0.0), f"{app.name}.reward")
+        except Exception as e:
+            self.rollouts.lost(e)
+            return None
 
     async def __call__(self) -> dict[str, float]:
         """Greedy play on the seeds with the current weights: the app's eval_metrics, its headline first,
