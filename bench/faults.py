@@ -4,21 +4,27 @@ real cluster loses. Not part of `make test` (it runs for as long as it is told, 
     python bench/faults.py [--minutes 20] [--mean-gap-s 90] [--seed 0] [dotted.key=value ...]
 
 The run is `python -m forge_rl.grpo --config configs/blackjack_tiny_cpu.yaml` with trainer.restart_on_failure
-on, against a BlackJack server this script starts (so that it can kill it and start it again on the same
-port, as a Kubernetes pod restart does). Faults, each at a random time (exponential gaps of mean
---mean-gap-s), in turn:
+on, its app bench/hostile_app.py (BlackJack's, with bad input on demand), against a BlackJack server this
+script starts (bench/hostile_env.py; so that it can kill it and start it again on the same port, as a
+Kubernetes pod restart does). Faults, each at a random time (exponential gaps of mean --mean-gap-s), in turn:
   env_server   kill -9 of the environment server, started again on its port 3 s later
   engine       kill -9 of a generator's vLLM engine process (VLLM::EngineCore)
   generator    kill -9 of a generator's whole Monarch process (its engine goes with it)
   trainer      kill -9 of the trainer's process (once; the run starts again from its last checkpoint)
+  nan_reward, inf_reward, raise_reward   the next game's reward is NaN, +inf, or raises
+  hung_reward  the server's next scoring step hangs past env.timeout_s
+  overflow     the next prompt after a first decision outgrows generator.max_model_len
+  parser       the next answer reaches the tool-call parser behind text that crashed it (RecursionError)
 A fault is survived when the run trains at least one more step after it (or ends its steps). At the end:
 
     faults injected=<n> survived=<m> steps=<k> lost_games=<g>
+    bad input taken=<t>: groups lost {<reason>: <n>}, prompts cut off <p>; beyond their own groups: <b>
     final eval EV=<ev> (luck-corrected <ev'>)
 
-lost_games: games aborted because their environment session could not be restored, over every part of
-the run (a restarted run counts again from 0). The goal: every fault survived, the run ends its steps,
-final eval EV >= -0.08 (docs/reliability.md).
+lost_games: games lost (a session not restored, an error), over every part of the run (a restarted run
+counts again from 0). Bad input taken by a training game costs at most its group (an evaluation game's, none);
+an overflow and a parser fault cost none: <b> counts the groups lost beyond that. The goal: every fault
+survived, b = 0, the run ends its steps, final eval EV >= -0.08 (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -40,27 +46,43 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.armed import arm, taken  # noqa: E402
 from forge_rl.envs.local import launch_local  # noqa: E402
 from forge_rl.recipes.metrics import read_metrics  # noqa: E402
 
 CONFIG = ROOT / "configs" / "blackjack_tiny_cpu.yaml"
-FAULTS = ("env_server", "engine", "generator", "trainer")
+BAD_INPUT = {"nan_reward": "reward_not_finite", "inf_reward": "reward_not_finite", "raise_reward": "ArithmeticError",
+             "hung_reward": "env_timeout", "overflow": None, "parser": None}  # fault -> the reason of the group it may cost
+FAULTS = ("env_server", "engine", "generator", "trainer", *BAD_INPUT)
 
 
 def trained_steps(run_dir: Path) -> int:
     return max((r["step"] for r in read_metrics(run_dir) if "train/loss" in r), default=0)
 
 
-def lost_games(run_dir: Path) -> int:
-    """Aborted games summed over the parts of a run (the counter restarts with each restart of the run)."""
+def counted(run_dir: Path, key: str = "rollout/aborted_games") -> int:
+    """A counter of the metrics (lost games by default) summed over the parts of a run (it restarts with each
+    restart of the run)."""
     total, last = 0, 0
     for row in read_metrics(run_dir):
-        if "rollout/aborted_games" in row:
-            value = int(row["rollout/aborted_games"])
+        if key in row:
+            value = int(row[key])
             if value < last:
                 total += last
             last = value
     return total + last
+
+
+def bad_input_report(run_dir: Path, faults_dir: str) -> str:
+    """What the bad input cost: groups lost by reason (any cause's, kills' included), prompts cut off, and the
+    groups lost to its reasons beyond one per fault taken (0 when each cost at most its own group)."""
+    keys = {k for row in read_metrics(run_dir) for k in row if k.startswith("rollout/lost_groups/")}
+    lost = {k.removeprefix("rollout/lost_groups/"): counted(run_dir, k) for k in sorted(keys)}
+    took = {fault: taken(faults_dir, fault) for fault in BAD_INPUT}
+    allowed = {reason: sum(n for f, n in took.items() if BAD_INPUT[f] == reason) for reason in lost}
+    beyond = sum(max(n - allowed[reason], 0) for reason, n in lost.items() if reason in BAD_INPUT.values() or reason == "RecursionError")
+    return (f"bad input taken={sum(took.values())} {took}: groups lost {lost}, prompts cut off {counted(run_dir, 'rollout/prompt_overflows')}; "
+            f"beyond their own groups: {beyond}")
 
 
 def engine_processes(app: subprocess.Popen) -> list[psutil.Process]:
@@ -81,6 +103,9 @@ def trainer_pid(run_dir: Path) -> int | None:
 
 def inject(fault: str, app: subprocess.Popen, server, run_dir: Path) -> str:
     """Cause `fault`; returns what was done, in words."""
+    if fault in BAD_INPUT:
+        arm(os.environ["FORGE_RL_FAULTS_DIR"], fault)
+        return f"armed {fault} for the next call it concerns"
     if fault == "env_server":
         pid = server.proc.pid
         server.proc.kill()
@@ -114,10 +139,11 @@ def main() -> None:
     rng = random.Random(args.seed)
     random.seed(args.seed)
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="forge_rl_faults_"))
-    with launch_local("apps.blackjack.env:BlackJackEnvironment", max_concurrent_envs=64, timeout_s=180) as server:
+    os.environ["FORGE_RL_FAULTS_DIR"] = tempfile.mkdtemp(prefix="forge_rl_armed_")  # read by the server and the run
+    with launch_local("bench.hostile_env:HostileBlackJack", max_concurrent_envs=64, timeout_s=180) as server:
         command = [
             sys.executable, "-m", "forge_rl.grpo", "--config", str(CONFIG), f"run_dir={run_dir}", f"env.url={server.url}",
-            "trainer.restart_on_failure=true", "trainer.checkpoint_every=10", *args.overrides,
+            "app_module=bench.hostile_app", "trainer.restart_on_failure=true", "trainer.checkpoint_every=10", *args.overrides,
         ]
         print("run:", " ".join(command[2:]), flush=True)
         app = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -154,7 +180,8 @@ def main() -> None:
         print(f"run exit status {rc}; trainer restarts {restarts}; run_dir {run_dir}")
         if rc != 0:
             print("".join(output[-40:]))
-        print(f"faults injected={len(injected)} survived={survived} steps={steps} lost_games={lost_games(run_dir)}")
+        print(f"faults injected={len(injected)} survived={survived} steps={steps} lost_games={counted(run_dir)}")
+        print(bad_input_report(run_dir, os.environ["FORGE_RL_FAULTS_DIR"]))
         evals = [r for r in read_metrics(run_dir) if "eval/ev" in r]
         if evals:
             last = evals[-1]
