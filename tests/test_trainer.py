@@ -526,3 +526,24 @@ def test_ppo_on_two_ranks_matches_one(loop, model_dir):
         assert m2 == m2b
         for key in ("loss", "value_loss", "value_mean", "value_explained_variance", "grad_norm"):
             assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+
+
+def test_a_non_finite_step_is_skipped_and_three_in_a_row_stop(model_dir):
+    """A NaN advantage makes the loss NaN: the step leaves every weight (and AdamW's state) as it was and counts
+    itself skipped; a finite step then trains as usual; three non-finite steps in a row stop with one line."""
+    trainer = in_process(Trainer, model_dir, GRPOLoss(GRPOConfig()), OPTIM, micro_batch_size=2)
+    batch = make_batch()
+    data, _ = data_of(trainer, batch)
+    poisoned = {**data, "advantages": data["advantages"].clone()}
+    poisoned["advantages"][0, 6] = float("nan")
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    metrics = asyncio.run(Trainer.train_step._method(trainer, batch, poisoned, None))
+    assert metrics["skipped_steps"] == 1 and not math.isfinite(metrics["loss"])
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    assert not trainer.optimizers.optimizers[0].state, "AdamW took no step"
+    assert train_step(trainer, batch)["skipped_steps"] == 0
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    asyncio.run(Trainer.train_step._method(trainer, batch, poisoned, None))
+    asyncio.run(Trainer.train_step._method(trainer, batch, poisoned, None))
+    with pytest.raises(FloatingPointError, match=r"optimizer steps 3-5 had a non-finite loss nan .* the weights untouched"):
+        asyncio.run(Trainer.train_step._method(trainer, batch, poisoned, None))

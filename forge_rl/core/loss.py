@@ -228,7 +228,7 @@ def grpo_loss(
     return loss, {k: v.detach().float() for k, v in metrics.items()}
 
 
-COUNTS = ("num_tokens", "forward_tokens", "imitation_episodes")  # what was done in all
+COUNTS = ("num_tokens", "forward_tokens", "imitation_episodes", "skipped_steps")  # what was done in all
 
 
 def reduction(name: str) -> str:

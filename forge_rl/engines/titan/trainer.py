@@ -52,6 +52,9 @@ from forge_rl.weights import make_publisher
 from forge_rl.weights.shm import drain
 
 
+NONFINITE_STEPS_BEFORE_STOPPING = 3  # in a row, each skipped: the run stops (one is a glitch, three a cause)
+
+
 class Trainer(ForgeActor):
     """The policy being trained: model, AdamW, LR schedule, step counter, last pushed version.
 
@@ -116,7 +119,7 @@ class Trainer(ForgeActor):
             warmup_steps=o.warmup_steps, decay_ratio=0.0 if constant else None, decay_type="linear" if constant else o.schedule
         )
         self.lr_schedulers = build_lr_schedulers(self.optimizers, schedule, 10**9 if constant else self.max_steps)
-        self.step, self.policy_version = 0, 0
+        self.step, self.policy_version, self.nonfinite_in_a_row = 0, 0, 0
 
     @endpoint
     async def train_step(
@@ -163,20 +166,30 @@ class Trainer(ForgeActor):
 
         grad_norm = clip_grad_norm_(list(self.model.parameters()), self.optim_config.max_grad_norm)
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
-        await self.publisher.sent()  # the last push may still be sending these parameters
-        self.held_version = None  # from here until the next push they are no published version
-        self.optimizers.step()
-        self.lr_schedulers.step()
+        sums = self._all_sum({**sums, "loss": total_loss, "num_tokens": tokens, "forward_tokens": forward_tokens})
+        # A non-finite loss or gradient norm (every rank sees the same sums and norm) is no update: AdamW would
+        # write NaN into every weight and its moments, and the push would carry them to the generators.
+        finite = math.isfinite(sums["loss"]) and math.isfinite(grad_norm.item())
+        if finite:
+            await self.publisher.sent()  # the last push may still be sending these parameters
+            self.held_version = None  # from here until the next push they are no published version
+            self.optimizers.step()
+            self.lr_schedulers.step()
         self.optimizers.zero_grad()
         self.step += 1
+        self.nonfinite_in_a_row = 0 if finite else self.nonfinite_in_a_row + 1
+        if self.nonfinite_in_a_row >= NONFINITE_STEPS_BEFORE_STOPPING:
+            raise FloatingPointError(f"train_step: optimizer steps {self.step - self.nonfinite_in_a_row + 1}-{self.step} had a "
+                                     f"non-finite loss {sums['loss']:g} or gradient norm {grad_norm.item():g} (all skipped, the "
+                                     "weights untouched): look for a learning rate too high, a bf16 overflow, non-finite advantages")
 
-        sums = self._all_sum({**sums, "loss": total_loss, "num_tokens": tokens, "forward_tokens": forward_tokens})
         forward_tokens = sums.pop("forward_tokens")
         n = max(sums.pop("num_tokens"), 1.0)
         metrics = {"loss": sums.pop("loss"), **{k: v / n for k, v in sums.items()}}
         extremes = self._all_max({**{k: -v for k, v in lows.items()}, **highs})
         metrics.update({k: -extremes[k] if k in lows else extremes[k] for k in extremes if math.isfinite(extremes[k])})
-        metrics.update(grad_norm=grad_norm.item(), lr=lr, step=self.step, num_tokens=n, forward_tokens=forward_tokens)
+        metrics.update(grad_norm=grad_norm.item(), lr=lr, step=self.step, num_tokens=n, forward_tokens=forward_tokens,
+                       skipped_steps=float(not finite))
         if imitation_nll is not None:
             metrics.update(imitation_nll=imitation_nll, imitation_episodes=len(imitate))
         return metrics
