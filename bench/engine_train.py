@@ -74,7 +74,7 @@ class Baseline:
                 self.behaviour[rows, 1:],
                 self.advantages[rows, 1:],
                 self.mask[rows, 1:],
-                GRPOConfig(),
+                GRPOConfig(loss_agg="token_mean"),
                 entropy=entropy,
                 denominator=self.denominator,
             )
@@ -87,9 +87,9 @@ async def measure(args, model_dir: str, batch: list[Episode]) -> tuple[list[floa
     """Baseline and actor steps alternate, so both see the same load on a shared machine."""
     baseline = Baseline(model_dir, batch, args.micro_batch_size, lr=1e-4)
     trainer = await Trainer.options(procs=args.procs).as_actor(
-        model_dir, GRPOLoss(GRPOConfig()), OptimizerConfig(lr=1e-4), micro_batch_size=args.micro_batch_size
+        model_dir, GRPOLoss(GRPOConfig(loss_agg="token_mean")), OptimizerConfig(lr=1e-4), micro_batch_size=args.micro_batch_size
     )
-    objective = GRPOLoss(GRPOConfig())
+    objective = GRPOLoss(GRPOConfig(loss_agg="token_mean"))
     base_times, actor_times, data = [], [], objective.batch_data(batch, objective.masks(batch, 0))[0]
     try:
         for _ in range(2 + args.steps):

@@ -18,7 +18,7 @@ from forge_rl.engines.titan.trainer import Trainer
 from tests.test_trainer import make_batch
 from tests.steps import plain_data
 
-GRPO, OPTIM = GRPOConfig(), OptimizerConfig(lr=1e-3)
+GRPO, OPTIM = GRPOConfig(loss_agg="token_mean"), OptimizerConfig(lr=1e-3)
 
 
 async def main(model_dir: str, workers: list[str]) -> dict:

@@ -96,7 +96,7 @@ def test_every_sampled_token_reaches_the_trainer_with_its_logprob_and_version(tm
         assert torch.equal(episode.loss_mask, sampled) and episode.tokens.tolist() == segment["token_ids"]
         assert torch.equal(episode.behaviour_logprobs, torch.tensor(segment["logprobs"], dtype=torch.float32))
         assert episode.token_versions.tolist() == [v if v is not None else -1 for v in segment["versions"]]
-    trainer = Trainer(str(path), GRPOLoss(GRPOConfig(max_policy_age=3, entropy_coef=0.0)), micro_batch_size=1)
+    trainer = Trainer(str(path), GRPOLoss(GRPOConfig(max_policy_age=3, entropy_coef=0.0, loss_agg="token_mean")), micro_batch_size=1)
     asyncio.run(Trainer.setup._method(trainer))
     trainer.policy_version = last_version
     t = trainer._tensors(episodes, None)

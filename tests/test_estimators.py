@@ -1,5 +1,6 @@
-"""Advantage estimators (forge_rl/core/estimators/): numbers worked out by hand, and the sign of each one's
-expected update on problems whose exact policy gradient is known (a 4-state bandit, a two-step game)."""
+"""Advantage estimators (forge_rl/core/estimators/): numbers worked out by hand, and what centring does to a
+bandit's expected update. Every estimator's expected update against the exact gradient, through the whole
+training path: tests/test_exact_gradient.py."""
 
 import math
 
@@ -10,7 +11,7 @@ from forge_rl.core.config import GRPOConfig
 from forge_rl.core.estimators import ESTIMATORS, estimate
 from forge_rl.core.types import Episode
 
-SOUND = sorted(set(ESTIMATORS) - {"ppo"})  # every group estimator must point uphill (ppo, with values: below)
+GROUP_ESTIMATORS = sorted(name for name, e in ESTIMATORS.items() if not e.values)
 
 
 def close(actual, expected, atol=1e-5):
@@ -39,7 +40,7 @@ def test_each_estimator_by_hand():
     std = math.sqrt((2.25**2 + 3 * 0.75**2 + 3 * 0.25**2 + 0.75**2) / 8)
     close(per_episode(batch, estimator="reinforce_pp"), [x / std for x in [2.25, -0.75, -0.75, -0.75, 0.25, 0.25, 0.25, -0.75]])
     # no spread: no signal and no nan, whatever the estimator
-    for name in SOUND:
+    for name in GROUP_ESTIMATORS:
         close(per_episode(one_turn([2.0, 2, 2]), estimator=name), [0.0, 0, 0])
 
 
@@ -76,10 +77,9 @@ def test_unknown_estimator_is_refused_by_the_registry():
         estimate(one_turn([1.0, 0]), GRPOConfig(estimator="ppo2"))
 
 
-# ------------------------------------------------------------------------------------------- expected updates
-# A tabular softmax policy; an episode's tokens are [state, answer] (or a two-step game's ids). The sampled
-# update of one batch is sum_i sum_t A_i,t (onehot(a_t) - pi(.|s_t)), the REINFORCE form of what the loss
-# differentiates at ratio 1; averaged over many batches it must point where the exact gradient points.
+# ------------------------------------------------------------------------------------------- centring's update
+# A tabular softmax policy; an episode's tokens are [state, answer]. The sampled update of one batch is
+# sum_i A_i (onehot(a) - pi(.|s)), the REINFORCE form of what the loss differentiates at ratio 1.
 
 BANDIT_STATES = 4
 MARGINS = torch.tensor([0.1, 0.4, 0.8, 1.2])  # answer 1 is better than answer 0 in every state, by these
@@ -121,16 +121,6 @@ def exact_bandit_gradient(logits: torch.Tensor) -> torch.Tensor:
 LOGITS = torch.tensor([[0.3, -0.2], [-0.4, 0.1], [0.0, 0.5], [0.6, 0.0]])
 
 
-@pytest.mark.parametrize("name", SOUND)
-@pytest.mark.parametrize("turn_credit", [0.0, 1.0], ids=["per-game", "per-turn"])
-def test_every_estimator_goes_uphill_in_every_state_of_a_bandit(name, turn_credit):
-    update = sampled_bandit_update(GRPOConfig(estimator=name, turn_credit=turn_credit), LOGITS)
-    exact = exact_bandit_gradient(LOGITS)
-    for s in range(BANDIT_STATES):
-        assert float(update[s] @ exact[s]) > 0, (name, s, update[s].tolist(), exact[s].tolist())
-        assert update[s, 1] > 0, f"{name}: state {s} is pushed toward the worse answer"
-
-
 def test_per_answer_centring_pushes_the_smallest_margin_state_toward_the_worse_answer():
     """What centring does (a change of objective, estimators/centring.py): answer 1 is better everywhere, yet
     in the state where it wins by less than its average margin the update prefers answer 0."""
@@ -138,47 +128,6 @@ def test_per_answer_centring_pushes_the_smallest_margin_state_toward_the_worse_a
     exact = exact_bandit_gradient(LOGITS)
     assert float(update[0] @ exact[0]) < 0 and update[0, 1] < 0, update[0].tolist()
     assert update[3, 1] > 0  # the largest margin still goes the right way
-
-
-# A two-step game: the first answer (10 or 11) takes the game to observation 50 or 51, then a second answer
-# (10 or 11) ends it. r(10, 10) = 1, r(10, 11) = -1, r(11, .) = 0.2: after 10 only 10 is good, and which
-# first answer is better depends on how the second is played.
-GAME_REWARD = {(0, 0): 1.0, (0, 1): -1.0, (1, 0): 0.2, (1, 1): 0.2}
-
-
-def game_batches(first: torch.Tensor, second: torch.Tensor, n_batches: int, group_size: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(n_batches):
-        batch = []
-        for _ in range(group_size):
-            a0 = int(torch.multinomial(first.softmax(-1), 1, generator=g))
-            a1 = int(torch.multinomial(second[a0].softmax(-1), 1, generator=g))
-            tokens = torch.tensor([1, ANSWER_IDS[a0], 50 + a0, ANSWER_IDS[a1]])
-            reward = GAME_REWARD[a0, a1] + 0.3 * float(torch.randn(1, generator=g))
-            batch.append(Episode(tokens, torch.tensor([0, 1, 0, 1]), torch.zeros(4), reward, 0, "g"))
-        yield batch
-
-
-@pytest.mark.parametrize("name", SOUND)
-@pytest.mark.parametrize("turn_credit", [0.0, 1.0], ids=["per-game", "per-turn"])
-def test_every_estimator_goes_uphill_in_a_two_step_game(name, turn_credit):
-    first, second = torch.tensor([0.2, -0.1]), torch.tensor([[-0.3, 0.3], [0.1, 0.0]])
-    p0, p1 = first.softmax(-1), second.softmax(-1)
-    r = torch.tensor([[GAME_REWARD[a, b] for b in (0, 1)] for a in (0, 1)])
-    q0 = (p1 * r).sum(-1)  # value of each first answer under the second step's policy
-    exact_first = p0 * (q0 - (p0 * q0).sum())
-    exact_second = p0[:, None] * p1 * (r - q0[:, None])
-    up_first, up_second, n = torch.zeros(2), torch.zeros(2, 2), 800
-    config = GRPOConfig(estimator=name, turn_credit=turn_credit)
-    for batch in game_batches(first, second, n, group_size=4, seed=1):
-        for e, a in zip(batch, estimate(batch, config)):
-            a0, a1 = ANSWER_IDS.index(int(e.tokens[1])), ANSWER_IDS.index(int(e.tokens[3]))
-            up_first += float(a[1]) * (torch.nn.functional.one_hot(torch.tensor(a0), 2) - p0)
-            up_second[a0] += float(a[3]) * (torch.nn.functional.one_hot(torch.tensor(a1), 2) - p1[a0])
-    assert float(up_first @ exact_first) > 0, (up_first / n, exact_first)
-    for a0 in (0, 1):
-        if exact_second[a0].abs().sum() > 1e-6:
-            assert float(up_second[a0] @ exact_second[a0]) > 0, (a0, up_second[a0] / n, exact_second[a0])
 
 
 def test_centring_sees_only_the_tokens_max_token_age_leaves_in_the_loss():
@@ -210,6 +159,19 @@ def test_dapo_soft_overlong_penalty_by_hand():
     advantages = estimate(batch, GRPOConfig(overlong_buffer=4), max_tokens=8)
     close([float(a[-1]) for a in advantages], [0.5, 0.0, -0.5])
     close([float(a[-1]) for a in estimate(batch, GRPOConfig())], [0.0, 0.0, 0.0])  # off by default
+
+
+def test_overlong_penalty_is_a_rollouts_whatever_order_its_segments_come_in():
+    """A chat-agent rollout sealed into two segments, one whose answer was cut (8 tokens of max_tokens 8: -1) and
+    one short: the rollout's reward 1 takes its longest answer's penalty, 0, in either order (the segments
+    once kept whichever came last). Rollouts [0, 1, 0]: Dr.GRPO [-1/3, -1/3, 2/3, -1/3]."""
+    cut, short = answer_of(8, 1.0, True), answer_of(2, 1.0, False)
+    others = [answer_of(2, 1.0, False), answer_of(2, 0.0, False)]
+    for first, second in ((cut, short), (short, cut)):
+        first.rollout_id = second.rollout_id = "r"
+        batch = [first, second] + others
+        advantages = estimate(batch, GRPOConfig(overlong_buffer=4), max_tokens=8)
+        close([float(a[-1]) for a in advantages], [-1 / 3, -1 / 3, 2 / 3, -1 / 3])
 
 
 def test_overlong_filter_keeps_cut_answers_out_of_the_loss_but_in_the_baseline():
@@ -264,50 +226,3 @@ def test_ppo_gae_by_hand():
 def test_ppo_without_values_is_refused():
     with pytest.raises(ValueError, match="value head"):
         estimate(one_turn([1.0, 0]), GRPOConfig(estimator="ppo"))
-
-
-def bandit_values(batch: list[Episode], baseline: torch.Tensor) -> list[torch.Tensor]:
-    """Each episode's values [T]: the state's baseline[s] where its answer starts (position 1)."""
-    return [torch.tensor([0.0, float(baseline[int(e.tokens[0])])]) for e in batch]
-
-
-@pytest.mark.parametrize("group_size", [1, 4])
-@pytest.mark.parametrize("baseline", ["exact", "wrong"])
-def test_ppo_goes_uphill_in_every_state_of_a_bandit(group_size, baseline):
-    """With the exact value of each state (pi_s . r_s) and with a wrong one (0 everywhere): lambda = 1 is the
-    return minus a state's baseline, the policy gradient whatever the baseline."""
-    probs = LOGITS.softmax(-1)
-    r = torch.stack([BASE, BASE + MARGINS], -1)
-    values = (probs * r).sum(-1) if baseline == "exact" else torch.zeros(BANDIT_STATES)
-    config, update, n = GRPOConfig(estimator="ppo"), torch.zeros_like(LOGITS), 600
-    for batch in bandit_batches(LOGITS, n, group_size, seed=0):
-        for e, a in zip(batch, estimate(batch, config, values=bandit_values(batch, values))):
-            s, answer = int(e.tokens[0]), ANSWER_IDS.index(int(e.tokens[1]))
-            update[s] += float(a[1]) * (torch.nn.functional.one_hot(torch.tensor(answer), 2) - probs[s])
-    exact = exact_bandit_gradient(LOGITS)
-    for s in range(BANDIT_STATES):
-        assert float(update[s] @ exact[s]) > 0 and update[s, 1] > 0, (s, update[s].tolist(), exact[s].tolist())
-
-
-@pytest.mark.parametrize("gae_lambda", [1.0, 0.5, 0.0])
-def test_ppo_with_exact_values_goes_uphill_in_a_two_step_game(gae_lambda):
-    """Exact values (V of the start p0 . q0; of the state after the first answer a0, q0[a0]) make GAE's advantage
-    the policy gradient's for any lambda: lambda 0 credits the first answer with q0[a0] - V alone."""
-    first, second = torch.tensor([0.2, -0.1]), torch.tensor([[-0.3, 0.3], [0.1, 0.0]])
-    p0, p1 = first.softmax(-1), second.softmax(-1)
-    r = torch.tensor([[GAME_REWARD[a, b] for b in (0, 1)] for a in (0, 1)])
-    q0 = (p1 * r).sum(-1)
-    exact_first = p0 * (q0 - (p0 * q0).sum())
-    exact_second = p0[:, None] * p1 * (r - q0[:, None])
-    up_first, up_second = torch.zeros(2), torch.zeros(2, 2)
-    config = GRPOConfig(estimator="ppo", gae_lambda=gae_lambda)
-    for batch in game_batches(first, second, 800, group_size=4, seed=1):
-        values = [torch.tensor([0.0, float(p0 @ q0), 0.0, float(q0[ANSWER_IDS.index(int(e.tokens[1]))])]) for e in batch]
-        for e, a in zip(batch, estimate(batch, config, values=values)):
-            a0, a1 = ANSWER_IDS.index(int(e.tokens[1])), ANSWER_IDS.index(int(e.tokens[3]))
-            up_first += float(a[1]) * (torch.nn.functional.one_hot(torch.tensor(a0), 2) - p0)
-            up_second[a0] += float(a[3]) * (torch.nn.functional.one_hot(torch.tensor(a1), 2) - p1[a0])
-    assert float(up_first @ exact_first) > 0, (up_first, exact_first)
-    for a0 in (0, 1):
-        if exact_second[a0].abs().sum() > 1e-6:
-            assert float(up_second[a0] @ exact_second[a0]) > 0, (a0, up_second[a0], exact_second[a0])

@@ -30,7 +30,7 @@ BOUND = {"tiny": 1e-5, "smollm2": 1e-4}
 
 
 def trainer_in_process(model_dir: str, lora: LoraConfig | None) -> Trainer:
-    trainer = Trainer(model_dir, GRPOLoss(GRPOConfig(entropy_coef=0.0)), OptimizerConfig(lr=1e-2, schedule="constant"),
+    trainer = Trainer(model_dir, GRPOLoss(GRPOConfig(entropy_coef=0.0, loss_agg="token_mean")), OptimizerConfig(lr=1e-2, schedule="constant"),
                       micro_batch_size=4, lora=lora)
     asyncio.run(Trainer.setup._method(trainer))
     return trainer
@@ -245,13 +245,13 @@ def test_generators_merge_the_adapters_they_receive_and_sample_the_trainers_poli
         await control.start()
         generator, *trainers = await asyncio.gather(
             Generator.options(procs=1).as_actor(tiny, "float32", GeneratorConfig(max_model_len=256, gpu_memory_utilization=0.01)),
-            *(Trainer.options(procs=1).as_actor(tiny, GRPOLoss(GRPOConfig(entropy_coef=0.0)), OptimizerConfig(lr=3e-2),
+            *(Trainer.options(procs=1).as_actor(tiny, GRPOLoss(GRPOConfig(entropy_coef=0.0, loss_agg="token_mean")), OptimizerConfig(lr=3e-2),
                                                 lora=LoraConfig(rank=4), weight_sync=kind) for kind in ("shm", "store")),
         )
         gaps, sizes = [], []
         try:
             for version, trainer in enumerate(trainers, start=1):
-                await trainer.train_step.call(batch, plain_data(GRPOLoss(GRPOConfig(entropy_coef=0.0)), batch))
+                await trainer.train_step.call(batch, plain_data(GRPOLoss(GRPOConfig(entropy_coef=0.0, loss_agg="token_mean")), batch))
                 sizes.append((await trainer.push_weights.call(version)).item(procs=0))
                 await generator.update_weights.call(version)
                 await generator.finish_loading.call()
@@ -281,11 +281,11 @@ def test_lora_under_fsdp2_trains_as_one_rank_does(tiny):
     async def main():
         await control.start()
         one, two = await asyncio.gather(*(
-            Trainer.options(procs=procs).as_actor(tiny, GRPOLoss(GRPOConfig(entropy_coef=0.0)), OptimizerConfig(lr=1e-2),
+            Trainer.options(procs=procs).as_actor(tiny, GRPOLoss(GRPOConfig(entropy_coef=0.0, loss_agg="token_mean")), OptimizerConfig(lr=1e-2),
                                                   micro_batch_size=2, lora=LoraConfig(rank=4), weight_sync="store")
             for procs in (1, 2)))
         try:
-            data = plain_data(GRPOLoss(GRPOConfig(entropy_coef=0.0)), batch)
+            data = plain_data(GRPOLoss(GRPOConfig(entropy_coef=0.0, loss_agg="token_mean")), batch)
             steps = [((await one.train_step.call(batch, data)).item(procs=0), [v for _, v in (await two.train_step.call(batch, data)).items()])
                      for _ in range(2)]
             sizes = [(await one.push_weights.call(1)).item(procs=0), (await two.push_weights.call(2)).item(procs=0)]
@@ -327,12 +327,12 @@ def test_in_bf16_the_generator_serves_the_adapters_as_the_trainer_computes_them(
         await control.start()
         generator, trainer = await asyncio.gather(
             Generator.options(procs=1).as_actor(tiny, "bfloat16", GeneratorConfig(max_model_len=256, gpu_memory_utilization=0.01)),
-            Trainer.options(procs=1).as_actor(tiny, GRPOLoss(GRPOConfig(entropy_coef=0.0)), OptimizerConfig(lr=LORA_BF16_LR, schedule="constant"),
+            Trainer.options(procs=1).as_actor(tiny, GRPOLoss(GRPOConfig(entropy_coef=0.0, loss_agg="token_mean")), OptimizerConfig(lr=LORA_BF16_LR, schedule="constant"),
                                               100, "bfloat16", lora=LoraConfig(rank=4), weight_sync="shm"),
         )
         try:
             before = await answer(generator, trainer)
-            await trainer.train_step.call(batch, plain_data(GRPOLoss(GRPOConfig(entropy_coef=0.0)), batch))
+            await trainer.train_step.call(batch, plain_data(GRPOLoss(GRPOConfig(entropy_coef=0.0, loss_agg="token_mean")), batch))
             await trainer.push_weights.call(1)
             await generator.update_weights.call(1)
             return before, await answer(generator, trainer)

@@ -12,7 +12,7 @@ from forge_rl.core.estimators import estimate
 from forge_rl.core.objective import GRPOLoss
 from forge_rl.core.types import Episode
 from forge_rl.engines.titan.model import sequence_logprobs
-from forge_rl.engines.titan.scoring import plan_forward
+from forge_rl.engines.titan.scoring import add_data, plan_forward
 from forge_rl.engines.titan.trainer import Trainer
 from forge_rl.models.tiny import build_tiny_model
 from tests.steps import plain_data, train_step
@@ -57,14 +57,14 @@ def test_turn_credit_compares_the_games_that_reached_the_same_conversation():
     """GiGPO's step-level advantage: an answer also earns reward minus the mean reward of the games of its
     group that answered after the same ids; a state one game alone reached adds nothing."""
     batch = blackjack_like_groups()
-    advantages = estimate(batch, GRPOConfig(estimator="dr_grpo", turn_credit=1.0))
+    advantages = estimate(batch, GRPOConfig(estimator="dr_grpo", turn_credit=1.0, loss_agg="token_mean"))
     trained = [[round(float(a[p]), 4) for p in range(len(e.tokens)) if e.loss_mask[p]] for a, e in zip(advantages, batch)]
     # group 0: rewards [-1, 1, -1, 0], mean -0.25; the first answer's state is everyone's (its credit doubles),
     # the second answer's (after hit, card 30) is games 1 and 2's: rewards [1, -1], mean 0
     assert trained[:4] == [[-1.5], [2.5, 2.25], [-1.5, -1.75], [0.5]]
     # group 1: mean 0; the last game alone drew card 40, so its second answer keeps its episode advantage
     assert trained[4:] == [[-2.0], [2.0, 2.0], [-2.0, -2.0], [0.0], [2.0, 1.0]]
-    plain = estimate(batch, GRPOConfig(estimator="dr_grpo"))
+    plain = estimate(batch, GRPOConfig(estimator="dr_grpo", loss_agg="token_mean"))
     assert [float(a[0]) for a in plain] == [-0.75, 1.25, -0.75, 0.25, -1.0, 1.0, -1.0, 0.0, 1.0]
 
 
@@ -72,7 +72,7 @@ def test_centre_per_answer_subtracts_each_answers_batch_mean():
     """Stand (id 20) has mean advantage 0.75 / 6 over the batch's trained tokens, hit (21) 0.75 / 8: each is
     taken from its own answers, so no answer is favoured on average."""
     batch = blackjack_like_groups()
-    advantages = estimate(batch, GRPOConfig(estimator="dr_grpo", centre_per_answer=True))
+    advantages = estimate(batch, GRPOConfig(estimator="dr_grpo", centre_per_answer=True, loss_agg="token_mean"))
     trained = [(int(e.tokens[p]), float(a[p])) for a, e in zip(advantages, batch) for p in range(len(e.tokens)) if e.loss_mask[p]]
     assert trained[0] == (20, pytest.approx(-0.75 - 0.125)) and trained[1] == (21, pytest.approx(1.25 - 0.09375))
     for answer in (20, 21):
@@ -83,13 +83,12 @@ def test_centre_per_answer_subtracts_each_answers_batch_mean():
 @pytest.mark.parametrize("allowed", [None, [20, 21]], ids=["free", "constrained"])
 def test_shared_rows_give_the_loss_and_gradients_of_every_episode_scored_alone(tmp_path, allowed, turn_credit):
     model_dir = str(build_tiny_model(tmp_path / "tiny", seed=0))
-    loss_fn = GRPOLoss(GRPOConfig(entropy_coef=0.1, estimator="dr_grpo", turn_credit=turn_credit))
+    loss_fn = GRPOLoss(GRPOConfig(entropy_coef=0.1, estimator="dr_grpo", turn_credit=turn_credit, loss_agg="token_mean"))
     trainer = Trainer(model_dir, loss_fn, OptimizerConfig(), micro_batch_size=1, allowed_token_ids=allowed, temperature=0.7)
     asyncio.run(Trainer.setup._method(trainer))
     batch = blackjack_like_groups()
     t = trainer._tensors(batch, None)
-    t.update(plain_data(loss_fn, batch))
-    totals = loss_fn.prepare(t)
+    totals = loss_fn.prepare(t, **add_data(t, plain_data(loss_fn, batch)))
     everyone = list(range(len(batch)))
     plan = plan_forward(t["tokens"], t["lengths"], t["mask"], everyone)
 
@@ -116,7 +115,7 @@ def test_a_train_step_reports_the_tokens_it_ran_through_the_model(tmp_path):
     """`forward_tokens`: the rows run, each padded to its micro-batch's longest (the figure behind the bench's
     tokens per second): rows 1, 5 (8 ids each) then row 8 (7) of a batch of 64 ids."""
     model_dir = str(build_tiny_model(tmp_path / "tiny", seed=0))
-    loss_fn = GRPOLoss(GRPOConfig(estimator="dr_grpo"))
+    loss_fn = GRPOLoss(GRPOConfig(estimator="dr_grpo", loss_agg="token_mean"))
     trainer = Trainer(model_dir, loss_fn, OptimizerConfig(), micro_batch_size=2)
     asyncio.run(Trainer.setup._method(trainer))
     batch = blackjack_like_groups()

@@ -45,7 +45,7 @@ def model_dir(tmp_path_factory):
 
 
 def trainer(model_dir, micro_batch_size=8) -> Trainer:
-    grpo = GRPOConfig(entropy_coef=0.0, self_imitation=SelfImitationConfig(episodes=4, coef=1.0))
+    grpo = GRPOConfig(entropy_coef=0.0, self_imitation=SelfImitationConfig(episodes=4, coef=1.0), loss_agg="token_mean")
     actor = Trainer(model_dir, GRPOLoss(grpo), OptimizerConfig(lr=1e-2, schedule="constant"), micro_batch_size=micro_batch_size)
     asyncio.run(Trainer.setup._method(actor))
     return actor

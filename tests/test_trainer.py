@@ -380,7 +380,7 @@ def test_advantages_are_computed_per_group():
     batch = [batch[0], batch[2], batch[1], batch[3]]  # groups interleaved: rows are matched by group_id
     advantages = torch.tensor([float(a[0]) for a in estimate(batch, GRPOConfig(estimator="grpo"))])
     torch.testing.assert_close(advantages, torch.tensor([-1.0, -1.0, 1.0, 1.0]), atol=1e-5, rtol=0)
-    advantages = torch.tensor([float(a[0]) for a in estimate(batch, GRPOConfig(estimator="dr_grpo"))])
+    advantages = torch.tensor([float(a[0]) for a in estimate(batch, GRPOConfig(estimator="dr_grpo", loss_agg="token_mean"))])
     torch.testing.assert_close(advantages, torch.tensor([-0.5, -0.5, 0.5, 0.5]), atol=1e-5, rtol=0)
 
 
@@ -403,7 +403,7 @@ def test_on_policy_train_step_has_ratio_one_at_the_sampling_temperature(model_di
     batch = make_batch()
     for e, lp in zip(batch, hf_logprobs(model_dir, [e.tokens for e in batch], temperature=temperature)):
         e.behaviour_logprobs = lp * e.loss_mask
-    trainer = in_process(Trainer, model_dir, GRPOLoss(GRPOConfig()), OPTIM, micro_batch_size=2, temperature=temperature)
+    trainer = in_process(Trainer, model_dir, GRPOLoss(GRPOConfig(loss_agg="token_mean")), OPTIM, micro_batch_size=2, temperature=temperature)
     metrics = train_step(trainer, batch, None)
     assert metrics["ratio_min"] == pytest.approx(1, abs=1e-4) and metrics["ratio_max"] == pytest.approx(1, abs=1e-4)
     assert metrics["num_tokens"] == sum(int(e.loss_mask.sum()) for e in batch)
@@ -417,12 +417,12 @@ def test_resume_with_more_steps_continues_the_new_schedule(model_dir, tmp_path):
     """A cosine schedule decays to lr 0 at max_steps; resumed with a larger max_steps, the next step
     trains at the new schedule's lr, not at the 0 the checkpoint holds."""
     batch, cosine = make_batch(), OptimizerConfig(lr=1e-3, schedule="cosine")
-    first = in_process(Trainer, model_dir, GRPOLoss(GRPOConfig()), cosine, max_steps=2)
+    first = in_process(Trainer, model_dir, GRPOLoss(GRPOConfig(loss_agg="token_mean")), cosine, max_steps=2)
     lrs = [train_step(first, batch, None)["lr"] for _ in range(2)]
     asyncio.run(Trainer.save_checkpoint._method(first, str(tmp_path / "ckpt")))
     assert lrs[0] == 1e-3 and first.optimizers.optimizers[0].param_groups[0]["lr"] == 0
 
-    longer = in_process(Trainer, model_dir, GRPOLoss(GRPOConfig()), cosine, max_steps=4)
+    longer = in_process(Trainer, model_dir, GRPOLoss(GRPOConfig(loss_agg="token_mean")), cosine, max_steps=4)
     asyncio.run(Trainer.load_checkpoint._method(longer, str(tmp_path / "ckpt")))
     resumed = train_step(longer, batch, None)
     assert resumed["step"] == 3 and resumed["lr"] == pytest.approx(0.5e-3), "cosine over 4 steps is at half at step 2"
@@ -438,7 +438,7 @@ def test_the_entropy_floor_is_decided_once_for_the_whole_batch(model_dir):
     batch = make_batch()
     for e in batch:
         e.reward = 1.0
-    probe = in_process(Trainer, model_dir, GRPOLoss(GRPOConfig()), OPTIM)
+    probe = in_process(Trainer, model_dir, GRPOLoss(GRPOConfig(loss_agg="token_mean")), OPTIM)
     per_episode, weights = [], []
     with torch.no_grad():
         for e in batch:
@@ -449,12 +449,12 @@ def test_the_entropy_floor_is_decided_once_for_the_whole_batch(model_dir):
     mean = sum(h * w for h, w in zip(per_episode, weights)) / sum(weights)
     assert mean < max(per_episode), per_episode
     floor = (mean + max(per_episode)) / 2  # the batch is below it; some episodes are not
-    config = GRPOConfig(entropy_coef=1.0, entropy_floor=floor, estimator="dr_grpo")
+    config = GRPOConfig(entropy_coef=1.0, entropy_floor=floor, estimator="dr_grpo", loss_agg="token_mean")
     for micro_batch_size in (len(batch), 1):
         trainer = in_process(Trainer, model_dir, GRPOLoss(config), OPTIM, micro_batch_size=micro_batch_size)
         metrics = train_step(trainer, batch, None)
         assert metrics["loss"] == pytest.approx(-mean, rel=1e-4), (micro_batch_size, metrics["loss"], -mean)
-    above = GRPOConfig(entropy_coef=1.0, entropy_floor=min(per_episode) / 2, estimator="dr_grpo")  # off for every piece
+    above = GRPOConfig(entropy_coef=1.0, entropy_floor=min(per_episode) / 2, estimator="dr_grpo", loss_agg="token_mean")  # off for every piece
     trainer = in_process(Trainer, model_dir, GRPOLoss(above), OPTIM, micro_batch_size=1)
     assert train_step(trainer, batch, None)["loss"] == pytest.approx(0.0, abs=1e-6)
 
@@ -531,7 +531,7 @@ def test_ppo_on_two_ranks_matches_one(loop, model_dir):
 def test_a_non_finite_step_is_skipped_and_three_in_a_row_stop(model_dir):
     """A NaN advantage makes the loss NaN: the step leaves every weight (and AdamW's state) as it was and counts
     itself skipped; a finite step then trains as usual; three non-finite steps in a row stop with one line."""
-    trainer = in_process(Trainer, model_dir, GRPOLoss(GRPOConfig()), OPTIM, micro_batch_size=2)
+    trainer = in_process(Trainer, model_dir, GRPOLoss(GRPOConfig(loss_agg="token_mean")), OPTIM, micro_batch_size=2)
     batch = make_batch()
     data, _ = data_of(trainer, batch)
     poisoned = {**data, "advantages": data["advantages"].clone()}

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from forge_rl.core.config import GRPOConfig
+from forge_rl.core.estimators import loss_setting
 
 # ---------------------------------------------------------------------------- per token
 
@@ -56,7 +57,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 # ---------------------------------------------------------------------------- aggregation
 # How per-token losses [B, T] become one number. `denominator` lets the caller normalise
 # by the WHOLE batch (all micro-batches, all data-parallel ranks) so that summing the
-# pieces' gradients gives exactly the gradient of the whole batch; default: this piece.
+# pieces' gradients gives exactly the gradient of the whole batch (`denominator` below);
+# default: this piece. Each estimator's paper fixes one (core/estimators/).
 
 
 def token_mean(per_token: torch.Tensor, mask: torch.Tensor, denominator: float | None = None) -> torch.Tensor:
@@ -67,14 +69,35 @@ def token_mean(per_token: torch.Tensor, mask: torch.Tensor, denominator: float |
 
 
 def seq_mean(per_token: torch.Tensor, mask: torch.Tensor, denominator: float | None = None) -> torch.Tensor:
-    """Mean over each sequence's tokens, then over sequences (original GRPO)."""
+    """Mean over each sequence's tokens, then over sequences (GRPO, GSPO): an answer weighs the same whatever
+    its length, so a long answer's tokens each weigh less (the 1/|o| Dr.GRPO removes)."""
     mask = mask.to(per_token.dtype)
     per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
     denominator = (mask.sum(-1) > 0).sum().clamp(min=1) if denominator is None else denominator
     return per_seq.sum() / denominator
 
 
-AGGREGATIONS = {"token_mean": token_mean, "seq_mean": seq_mean}
+def token_sum(per_token: torch.Tensor, mask: torch.Tensor, denominator: float | None = None) -> torch.Tensor:
+    """Every trained token's term summed, over a constant (the caller's: rows, or rows x max_tokens): a
+    sequence's terms add up to its log-prob's, REINFORCE's own form (RLOO; Dr.GRPO with max_tokens)."""
+    denominator = mask.shape[0] if denominator is None else denominator
+    return (per_token * mask.to(per_token.dtype)).sum() / denominator
+
+
+AGGREGATIONS = {"token_mean": token_mean, "seq_mean": seq_mean, "seq_sum": token_sum, "token_sum": token_sum}
+
+
+def denominator(agg: str, mask: torch.Tensor, max_tokens: int | None) -> float:
+    """The denominator of aggregation `agg` over a whole optimizer step's [B, T] mask: its trained tokens
+    (token_mean), its sequences with any (seq_mean), its rows (seq_sum: RLOO's 1/G), or its rows times
+    sampling.max_tokens (token_sum: Dr.GRPO's constant, the same whatever was sampled)."""
+    if agg == "token_mean":
+        return mask.sum().clamp(min=1).item()
+    if agg == "seq_mean":
+        return (mask.sum(-1) > 0).sum().clamp(min=1).item()
+    if agg == "token_sum" and max_tokens is None:
+        raise ValueError("loss_agg token_sum divides by sampling.max_tokens: GRPOLoss(config, max_tokens)")
+    return float(mask.shape[0] * (max_tokens if agg == "token_sum" else 1))
 
 
 # ---------------------------------------------------------------------------- IS correction
@@ -121,6 +144,40 @@ def is_weights(
     return weights * mask
 
 
+# ---------------------------------------------------------------------------- policy losses
+# Each maps the ratio to the behaviour policy [B, T] and advantages [B, T] to per-token losses whose gradient
+# at ratio 1 is -A * grad log pi (the on-policy policy gradient); they differ once the ratio leaves 1 (a later
+# minibatch, or stale data).
+
+
+def clipped_surrogate(ratio, advantages, low: float, high: float, dual_clip: float | None = None) -> torch.Tensor:
+    """PPO's clipped surrogate -min(r A, clip(r, 1 - low, 1 + high) A) (Schulman et al. 2017; DAPO's
+    asymmetric band). dual_clip c (Ye et al. 2020): a negative advantage's loss is at most -c A, so a token
+    whose ratio ran far up on stale data cannot push with an unbounded weight (c = 3, as verl)."""
+    per_token = -torch.minimum(ratio * advantages, ratio.clamp(1 - low, 1 + high) * advantages)
+    if dual_clip is not None:
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
+    return per_token
+
+
+def cispo(ratio, log_ratio, advantages, high: float) -> torch.Tensor:
+    """CISPO (MiniMax-M1, 2025): REINFORCE on log pi weighted by the ratio, the weight clipped above at 1 + high
+    and stopped from the gradient: every token keeps a gradient (PPO's clip drops the clipped ones), bounded."""
+    weight = ratio.detach().clamp(max=1 + high)
+    return -weight * advantages * log_ratio  # log_ratio's gradient is log pi's
+
+
+def sapo(ratio, advantages, tau_pos: float, tau_neg: float) -> torch.Tensor:
+    """SAPO (Gao et al. 2025): a smooth gate (4 / tau) sigmoid(tau (r - 1)) in place of the hard clip, its
+    gradient r sigmoid'(.) 4 fading as r leaves 1, more slowly for positive advantages (tau_pos < tau_neg).
+    Shifted by its value at r = 1 so that the loss reads 0 on-policy (the gradient is the same)."""
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
+    return -(4 / tau) * (torch.sigmoid(tau * (ratio - 1)) - 0.5) * advantages
+
+
+POLICY_LOSSES = ("clip", "cispo", "sapo")
+
+
 # ---------------------------------------------------------------------------- the loss
 
 
@@ -153,20 +210,26 @@ def grpo_loss(
             weights = is_weights(log_ratio, mask, correction.level, correction.mode, *correction.threshold)
         is_ratio = torch.exp(log_ratio.detach())  # trainer / behaviour, for the metrics
         log_ratio = torch.where(mask, logprobs - logprobs.detach(), torch.zeros_like(logprobs))
-    if config.ratio_level == "sequence":
+    if loss_setting(config, "ratio_level") == "sequence":
         # GSPO (Zheng et al. 2025) in its token form: each token carries its sequence's ratio, the geometric
         # mean of its tokens' (length-normalised, so comparable across lengths), and the clip keeps or drops
         # whole sequences; a token's gradient is its own log-prob's times that ratio.
         seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
         log_ratio = torch.where(mask, logprobs - logprobs.detach() + seq.detach(), torch.zeros_like(logprobs))
     ratio = torch.exp(log_ratio)  # [B, T]
-    clipped = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
-    per_token = -torch.minimum(ratio * advantages, clipped * advantages)  # [B, T]
+    kind = loss_setting(config, "policy_loss")
+    low, high = loss_setting(config, "clip_low"), loss_setting(config, "clip_high")
+    if kind == "clip":
+        per_token = clipped_surrogate(ratio, advantages, low, high, config.dual_clip)
+    elif kind == "cispo":
+        per_token = cispo(ratio, log_ratio, advantages, high)
+    else:
+        per_token = sapo(ratio, advantages, config.sapo_tau_pos, config.sapo_tau_neg)
     if weights is not None:
         per_token = weights * per_token
 
     kl = None
-    if config.kl_coef > 0:
+    if config.kl_coef > 0 and not config.kl_in_reward:
         if ref_logprobs is None:
             raise ValueError("loss.kl_coef > 0 needs reference log-probs (start a ReferenceModel)")
         ref = torch.where(mask, ref_logprobs, logprobs.detach())
@@ -189,7 +252,7 @@ def grpo_loss(
             bonus = bonus * float(batch_entropy < config.entropy_floor)
         per_token = per_token - bonus
 
-    loss = AGGREGATIONS[config.loss_agg](per_token, mask, denominator)
+    loss = AGGREGATIONS[loss_setting(config, "loss_agg")](per_token, mask, denominator)
 
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
@@ -209,11 +272,11 @@ def grpo_loss(
             "ratio_max": r.max() if r.numel() else torch.tensor(1.0),
             "advantage_mean": masked_mean(advantages),
         }
-        if weights is None:
+        if weights is None and kind == "clip":
             # Clipping is active (gradient zero) when the ratio left the band in the direction the advantage
             # pushes it. With a correction the ratio is 1 and the clip never acts: no metric rather than 0.
-            metrics["clip_fraction_low"] = masked_mean(((ratio < 1 - config.clip_low) & (advantages < 0)).float())
-            metrics["clip_fraction_high"] = masked_mean(((ratio > 1 + config.clip_high) & (advantages > 0)).float())
+            metrics["clip_fraction_low"] = masked_mean(((ratio < 1 - low) & (advantages < 0)).float())
+            metrics["clip_fraction_high"] = masked_mean(((ratio > 1 + high) & (advantages > 0)).float())
             metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
         # KL(behaviour || trainer) from the tokens behaviour sampled (k3, see KL_ESTIMATORS).
         metrics["behaviour_kl"] = masked_mean(KL_ESTIMATORS["k3"](behaviour_log_ratio))

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from forge_rl.core.config import GRPOConfig
-from forge_rl.core.estimators import estimate
+from forge_rl.core.estimators import ESTIMATORS, estimate, loss_setting
 from forge_rl.core.estimators.ppo import turn_starts
-from forge_rl.core.loss import grpo_loss, value_loss
+from forge_rl.core.loss import denominator as loss_denominator
+from forge_rl.core.loss import grpo_loss, kl_penalty, value_loss
 from forge_rl.core.types import Episode
 
 
@@ -49,7 +50,7 @@ class GRPOLoss:
     def __init__(self, config: GRPOConfig, max_tokens: int | None = None):
         self.config, self.max_tokens = config, max_tokens  # sampling.max_tokens, for grpo.overlong_buffer
         self.imitation_coef = config.self_imitation.coef  # self-imitation's NLL beside the GRPO loss
-        self.value_head = config.estimator == "ppo"  # the trainer builds one; its values are read once a batch
+        self.value_head = ESTIMATORS[config.estimator].values  # the trainer builds one; its values are read once a batch
         self.entropy_floor = config.entropy_coef > 0 and config.entropy_floor is not None  # needs the batch's entropy
 
     # ------------------------------------------------------------------------ once a batch (the controller)
@@ -71,16 +72,21 @@ class GRPOLoss:
 
     def batch_data(
         self, batch: list[Episode], masks: list[torch.Tensor], values: list[torch.Tensor] | None = None,
-        mean_entropy: float | None = None,
+        mean_entropy: float | None = None, ref_logprobs: list[torch.Tensor] | None = None,
     ) -> tuple[dict, dict[str, float]]:
         """What every optimizer step of `batch` trains with, fixed before the first: [B, T] "mask" and
         "advantages" (centring sees only the tokens trained); with a value head (`values`: each episode's [T]
         under the weights before the batch's updates, trainer `score_batch`) the old "values", the value
         targets "returns" and "value_mask"; with an entropy floor the batch's `mean_entropy` under those
-        weights. Returns (data, the figures of the batch's start: the value head's fit)."""
-        if self.value_head and values is None:
-            raise ValueError("grpo.estimator ppo: advantages need each episode's values (trainer score_batch)")
-        per_token = estimate(batch, self.config, masks, self.max_tokens, values)
+        weights; with kl_in_reward `ref_logprobs`, each episode's [T] under the reference, for the behaviour
+        policy's KL to it in the return. Returns (data, the figures of the batch's start: the value head's fit)."""
+        kl = None
+        if self.config.kl_in_reward:
+            if ref_logprobs is None:
+                raise ValueError("grpo.kl_in_reward: the batch's data needs the reference log-probs")
+            kl = [kl_penalty(torch.as_tensor(e.behaviour_logprobs).float(), torch.as_tensor(r).float(), self.config.kl_estimator)
+                  for e, r in zip(batch, ref_logprobs)]  # fmt: skip
+        per_token = estimate(batch, self.config, masks, self.max_tokens, values, kl)
         data = {"mask": padded(masks), "advantages": padded(per_token), "batch_entropy": mean_entropy}
         figures = {}
         if self.value_head:
@@ -96,15 +102,12 @@ class GRPOLoss:
     def prepare(self, t: dict[str, torch.Tensor], batch_entropy: float | None = None) -> StepTotals:
         """Before an optimizer step's micro-batches, on its whole minibatch (t: the trainer's right-padded
         [B, T] tensors, with the batch's data among them): the denominators its pieces share."""
-        if self.config.kl_coef > 0 and "ref" not in t:
+        if self.config.kl_coef > 0 and not self.config.kl_in_reward and "ref" not in t:
             raise ValueError("train_step: grpo.kl_coef > 0 needs ref_logprobs (ReferenceModel.logprobs of the batch)")
         for key in ("mask", "advantages") + (("values", "returns", "value_mask") if self.value_head else ()):
             if key not in t:
                 raise ValueError(f"train_step: no {key!r} in the batch's data (GRPOLoss.batch_data makes it)")
-        if self.config.loss_agg == "token_mean":
-            denominator = t["mask"].sum().clamp(min=1).item()
-        else:
-            denominator = (t["mask"].sum(-1) > 0).sum().clamp(min=1).item()
+        denominator = loss_denominator(loss_setting(self.config, "loss_agg"), t["mask"], self.max_tokens)
         turns = max(float(t["value_mask"].sum()), 1.0) if self.value_head else 1.0
         return StepTotals(denominator, batch_entropy if self.entropy_floor else None, turns)
 
@@ -115,7 +118,7 @@ class GRPOLoss:
             batch_entropy=totals.batch_entropy,
         )
         if self.value_head:
-            clip = self.config.clip_low if self.config.value_clip else None
+            clip = loss_setting(self.config, "clip_low") if self.config.value_clip else None
             fit = value_loss(batch["predicted_values"], batch["values"], batch["returns"], batch["value_mask"], clip, totals.turns)
             loss = loss + self.config.value_coef * fit
         with torch.no_grad():

@@ -58,18 +58,30 @@ class GRPOConfig:
     # 1 and 1 (GRPO's one step per batch) the ratio is 1 at the step and the clip never acts
     minibatches: int = 1
     epochs: int = 1
-    # The advantage estimator (core/estimators/): grpo (group mean and std), dr_grpo (group mean), rloo
-    # (leave-one-out mean), reinforce_pp (group mean, the batch's std), ppo (a value head's baseline per turn, GAE)
-    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"] = "dr_grpo"
+    # The advantage estimator and its paper's loss (core/estimators/, docs/estimators.md): grpo, dr_grpo, rloo,
+    # reinforce_pp, ppo (a value head's baseline per turn, GAE), gspo, cispo, sapo
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo", "gspo", "cispo", "sapo"] = "dr_grpo"
     # dr_grpo only: divide by the group's mean absolute reward (for rewards >= 0 its mean): the gradient of
     # log pass rate; each group that found a pass weighs as one labelled example (estimators/dr_grpo.py)
     normalize_mean: bool = False
-    clip_low: float = 0.2  # PPO clip, ratio >= 1 - clip_low
-    clip_high: float = 0.28  # DAPO clip-higher, ratio <= 1 + clip_high
+    # null: the estimator's paper's (the check prints what it took). The ratio's band: >= 1 - clip_low and
+    # <= 1 + clip_high (DAPO's clip-higher); cispo's weight is clipped above only
+    clip_low: Optional[float] = None
+    clip_high: Optional[float] = None
+    # dual-clip (Ye et al. 2020; verl's 3): a negative advantage's token loss is at most -dual_clip x A. null: off
+    dual_clip: Optional[float] = None
     kl_coef: float = 0.0
+    # k2 follows grad KL(policy || ref), k3 grad KL(ref || policy); k1's expected gradient as a loss term is 0:
+    # only with kl_in_reward (docs/estimators.md)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
-    ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's ratio and clip per sequence (core/loss.py)
+    kl_in_reward: bool = False  # the KL as a per-token penalty in the return (REINFORCE++), not a loss term
+    # token_mean (DAPO) | seq_mean (GRPO: per answer, then over answers) | seq_sum (REINFORCE: each answer's
+    # token sum, over answers) | token_sum (Dr.GRPO: the sum over answers x sampling.max_tokens)
+    loss_agg: Optional[Literal["token_mean", "seq_mean", "seq_sum", "token_sum"]] = None
+    ratio_level: Optional[Literal["token", "sequence"]] = None  # sequence: GSPO's ratio and clip per sequence
+    policy_loss: Optional[Literal["clip", "cispo", "sapo"]] = None  # PPO's clip, CISPO's clipped weight, SAPO's gate
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperatures for positive and negative advantages (its paper's)
+    sapo_tau_neg: float = 1.05
     # No bonus, as in GRPO (Shao et al. 2024) and DAPO (Yu et al. 2025): over a pretrained model's whole vocabulary
     # a bonus pushes free text toward noise; an app whose few answers must stay sampled sets its own
     entropy_coef: float = 0.0
@@ -102,6 +114,12 @@ class GRPOConfig:
     RETIRED_KEYS = {"normalize_std": "replaced by grpo.estimator: grpo divides by the group's std, dr_grpo does not"}
 
     def check(self, key):
+        from forge_rl.core.estimators import ESTIMATORS, LOSS_SETTINGS  # the estimators' defaults, once loaded
+
+        for name in LOSS_SETTINGS:  # resolved here, so that the run's config.yaml says what it trained with
+            if getattr(self, name) is None:
+                setattr(self, name, getattr(ESTIMATORS[self.estimator], name))
+        self.check_loss(key)
         if self.group_size < 2 and self.estimator != "ppo":
             raise ConfigError(f"{key}.group_size: expected >= 2 (advantages compare a group; ppo needs none), got {self.group_size}")
         check_positive(self, key, "batch_size", "group_size", "minibatches", "epochs")
@@ -116,6 +134,7 @@ class GRPOConfig:
             if self.estimator == "ppo" and getattr(self, name):
                 raise ConfigError(f"{key}.{name}: compares a group's rewards; ppo's baseline is the value head's per turn: set it 0/false")
         check_non_negative(self, key, "max_policy_age", "clip_low", "clip_high", "kl_coef", "entropy_coef", "turn_credit", "overlong_buffer", "value_coef")
+        check_positive(self, key, "sapo_tau_pos", "sapo_tau_neg")
         if self.normalize_mean and self.estimator != "dr_grpo":
             raise ConfigError(f"{key}.normalize_mean: a scale of dr_grpo's advantages, but estimator is {self.estimator}: set estimator dr_grpo")
         if self.clip_low >= 1:
@@ -126,3 +145,23 @@ class GRPOConfig:
             raise ConfigError(f"{key}.entropy_floor: expected > 0 nats, or null for a bonus that always acts, got {self.entropy_floor}")
         if self.entropy_floor is not None and self.entropy_coef == 0:
             raise ConfigError(f"{key}.entropy_floor: {self.entropy_floor} holds the entropy up with the bonus, but entropy_coef is 0: set entropy_coef > 0")
+
+    def check_loss(self, key):
+        """Combinations that contradict the loss's papers, refused with the one to use."""
+        if self.estimator == "dr_grpo" and self.loss_agg == "seq_mean":
+            raise ConfigError(f"{key}.loss_agg: seq_mean divides each answer by its length, the 1/|o| bias Dr.GRPO removes: "
+                              "use token_sum (its paper's) or token_mean, or estimator grpo")  # fmt: skip
+        if self.ratio_level == "sequence" and self.loss_agg != "seq_mean":
+            raise ConfigError(f"{key}.loss_agg: {self.loss_agg} with ratio_level sequence weighs a sequence by its length; "
+                              "GSPO's objective is a mean over sequences: use seq_mean")  # fmt: skip
+        if self.ratio_level == "sequence" and self.policy_loss != "clip":
+            raise ConfigError(f"{key}.ratio_level: sequence is GSPO's clipped sequence ratio; policy_loss {self.policy_loss} "
+                              "gates each token's own ratio: use ratio_level token")  # fmt: skip
+        if self.dual_clip is not None and (self.dual_clip <= 1 or self.policy_loss != "clip"):
+            raise ConfigError(f"{key}.dual_clip: bounds PPO's clipped loss for negative advantages, so > 1 with policy_loss "
+                              f"clip (3 as verl), or null; got {self.dual_clip} with policy_loss {self.policy_loss}")  # fmt: skip
+        if self.kl_coef > 0 and self.kl_estimator == "k1" and not self.kl_in_reward:
+            raise ConfigError(f"{key}.kl_estimator: k1 as a loss term has zero expected gradient (E[grad log pi] = 0): "
+                              "use k3 (grad KL(ref || policy)) or k2 (grad KL(policy || ref)), or set kl_in_reward true")  # fmt: skip
+        if self.kl_in_reward and self.kl_coef <= 0:
+            raise ConfigError(f"{key}.kl_in_reward: true puts kl_coef x the KL in the return, but kl_coef is {self.kl_coef}: set it > 0")

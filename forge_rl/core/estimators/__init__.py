@@ -1,75 +1,97 @@
-"""Advantage estimation, one module per estimator, chosen by name (`grpo.estimator`).
+"""Advantage estimation, one module per estimator, chosen by name (`grpo.estimator`); each module's ESTIMATOR
+says how it makes advantages and which loss its paper trains them with (estimator.py). The table, with each
+one's expected update and the test that proves it: docs/estimators.md.
 
-| name           | baseline of a rollout's reward          | expected update                                  |
-|----------------|------------------------------------------|--------------------------------------------------|
-| `grpo`         | group mean, divided by the group's std   | per prompt an ascent direction, groups re-weighted |
-| `dr_grpo`      | group mean                               | (1 - 1/G) x the policy gradient                  |
-| `rloo`         | mean of the group's OTHER rewards        | the policy gradient (unbiased)                   |
-| `reinforce_pp` | group mean, divided by the batch's std   | the policy gradient's direction                  |
-| `ppo`          | a learned value of each turn's state, GAE | the policy gradient with lambda = gamma = 1     |
+| name           | baseline of a rollout's reward             | loss (aggregation, ratio, policy loss)       |
+|----------------|--------------------------------------------|----------------------------------------------|
+| `grpo`         | group mean, divided by the group's std     | seq_mean, token, clip                        |
+| `dr_grpo`      | group mean                                 | token_sum (over max_tokens), token, clip     |
+| `rloo`         | mean of the group's OTHER rewards          | seq_sum, token, clip                         |
+| `reinforce_pp` | group mean, then standardised over the batch | token_mean, token, clip                    |
+| `ppo`          | a learned value of each turn's state, GAE  | token_mean, token, clip                      |
+| `gspo`         | as grpo                                    | seq_mean, sequence, clip (3e-4, 4e-4)        |
+| `cispo`        | as grpo                                    | token_mean, token, cispo                     |
+| `sapo`         | as grpo                                    | seq_mean, token, sapo                        |
 
-On top of any of them: `grpo.turn_credit` (turn_credit.py, GiGPO's per-turn comparison, sound),
-`grpo.overlong_buffer` (DAPO's soft penalty on answers near max_tokens, a shaping of the reward) and
-`grpo.centre_per_answer` (centring.py, a change of objective). Each module is a function over a group's
-rewards (ppo's, over an episode's turns and the values the trainer's value head gave them); a new estimator is
-a new module and a line in ESTIMATORS. Advantages are always per token.
+On top of any group estimator: `grpo.turn_credit` (turn_credit.py, GiGPO's per-turn comparison, sound),
+`grpo.overlong_buffer` (DAPO's soft penalty on answers near max_tokens, a shaping of the reward),
+`grpo.kl_in_reward` (the KL to the reference as a per-token penalty in the return) and
+`grpo.centre_per_answer` (centring.py, a change of objective). A new estimator is a new module and a line in
+ESTIMATORS. Advantages are always per token, and computed once per batch (core/objective.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from forge_rl.core.estimators import dr_grpo, grpo, ppo, reinforce_pp, rloo
+from forge_rl.core.estimators import cispo, dr_grpo, grpo, gspo, ppo, reinforce_pp, rloo, sapo
 from forge_rl.core.estimators.centring import centre_per_answer
-from forge_rl.core.estimators.groups import answer_turns, group_rewards, rows_by_group
-from forge_rl.core.estimators.turn_credit import turn_advantages
+from forge_rl.core.estimators.estimator import Estimator
+from forge_rl.core.estimators.groups import answer_turns, rollout_of
 from forge_rl.core.types import Episode
 
-ESTIMATORS = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp, "ppo": ppo}
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": grpo.ESTIMATOR, "dr_grpo": dr_grpo.ESTIMATOR, "rloo": rloo.ESTIMATOR, "reinforce_pp": reinforce_pp.ESTIMATOR,
+    "ppo": ppo.ESTIMATOR, "gspo": gspo.ESTIMATOR, "cispo": cispo.ESTIMATOR, "sapo": sapo.ESTIMATOR,
+}  # fmt: skip
+WHITENING_EPS = 1e-6
+LOSS_SETTINGS = ("loss_agg", "ratio_level", "policy_loss", "clip_low", "clip_high")
+
+
+def loss_setting(config, key: str):
+    """The config's `key` (one of LOSS_SETTINGS), or where it leaves it None its estimator's paper's."""
+    value = getattr(config, key)
+    return getattr(ESTIMATORS[config.estimator], key) if value is None else value
 
 
 def estimate(
     batch: list[Episode], config, masks: list[torch.Tensor] | None = None, max_tokens: int | None = None,
-    values: list[torch.Tensor] | None = None,
+    values: list[torch.Tensor] | None = None, kl: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """Per token [T] advantages of each episode of `batch` (whole groups) under `config` (GRPOConfig).
-
-    masks: each episode's trained positions [T] as the loss will see them (after `max_token_age`); by
-    default its loss_mask. Only centring reads them: the rest compares rewards, whoever is trained.
-    max_tokens: sampling.max_tokens, for `overlong_buffer`. values: ppo's, each episode's [T] (ppo.py)."""
+    """Per token [T] advantages of each episode of `batch` (whole groups, the whole batch) under `config`
+    (GRPOConfig). masks: each episode's trained positions [T] as the loss will see them (default: its
+    loss_mask): what centring and REINFORCE++'s standardisation average over. max_tokens:
+    sampling.max_tokens, for `overlong_buffer`. values: each episode's [T] (an estimator with `values`).
+    kl: with `kl_in_reward`, each episode's per-token KL estimate [T] of the behaviour policy to the reference."""
     estimator = ESTIMATORS[config.estimator]
+    masks = [e.loss_mask for e in batch] if masks is None else masks
     rewards = [e.reward for e in batch]
     if config.overlong_buffer:
-        rewards = [r + overlong_penalty(e, config.overlong_buffer, max_tokens) for r, e in zip(rewards, batch)]
-    if config.estimator == "ppo":  # a baseline per turn from the value head, no group
-        if values is None:
-            raise ValueError("grpo.estimator ppo: advantages need each episode's values (a trainer with a value head)")
-        return ppo.episode_advantages(batch, rewards, values, config)
-
-    def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
-        return estimator.group_advantages(rewards, config)
-
-    per_episode, per_rollout = torch.zeros(len(batch)), []
-    for rows in rows_by_group(batch):
-        group, index = group_rewards(batch, rewards, rows)  # a rollout sealed into several episodes counts once
-        advantages = group_advantages(group)
-        per_episode[rows] = advantages[index]
-        per_rollout.append(advantages)
-    per_token = [torch.full((len(e.tokens),), float(a)) for e, a in zip(batch, per_episode)]
-    if config.turn_credit:
-        steps = turn_advantages(batch, rewards, group_advantages)
-        per_token = [a + config.turn_credit * s for a, s in zip(per_token, steps)]
-    if hasattr(estimator, "batch_scale"):
-        scale = estimator.batch_scale(torch.cat(per_rollout))
-        per_token = [a / scale for a in per_token]
+        rewards = [r + p for r, p in zip(rewards, overlong_penalties(batch, config.overlong_buffer, max_tokens))]
+    if estimator.values and values is None:
+        raise ValueError(f"grpo.estimator {config.estimator}: advantages need each episode's values (a trainer with a value head)")
+    per_token = estimator.advantages(batch, rewards, config, values)
+    if config.kl_in_reward:
+        per_token = [a - config.kl_coef * returns_to_go(k, m) for a, k, m in zip(per_token, kl, masks)]
+    if estimator.batch_whitened:
+        per_token = whitened(per_token, masks)
     if config.centre_per_answer:
-        masks = [e.loss_mask for e in batch] if masks is None else masks
         per_token = centre_per_answer(per_token, [e.tokens for e in batch], masks)
     return per_token
 
 
-def overlong_penalty(episode: Episode, buffer: int, max_tokens: int) -> float:
-    """DAPO's soft overlong punishment (Yu et al. 2025) on the episode's longest answer of L tokens: 0 up to
-    max_tokens - buffer, then falling linearly to -1 at max_tokens (where the answer was cut)."""
-    longest = max((end - start for start, end in answer_turns(episode.loss_mask)), default=0)
-    return min(0.0, (max_tokens - buffer - longest) / buffer)
+def returns_to_go(penalty: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[T] each trained position's sum of the per-token penalty [T] over it and every trained position after
+    it (gamma = 1): the KL's share of the return from there (REINFORCE++, PPO-RLHF's reward)."""
+    trained = torch.as_tensor(penalty).float() * (torch.as_tensor(mask) > 0)
+    return trained.flip(0).cumsum(0).flip(0)
+
+
+def whitened(per_token: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every advantage minus the mean, over the std, of the batch's trained tokens' (REINFORCE++)."""
+    trained = torch.cat([a[torch.as_tensor(m) > 0] for a, m in zip(per_token, masks)])
+    if trained.numel() < 2:
+        return per_token
+    mean, std = trained.mean(), trained.std(correction=0)
+    return [(a - mean) / (std + WHITENING_EPS) for a in per_token]
+
+
+def overlong_penalties(batch: list[Episode], buffer: int, max_tokens: int) -> list[float]:
+    """DAPO's soft overlong punishment (Yu et al. 2025) of each episode: 0 while its rollout's longest answer of
+    L tokens is at most max_tokens - buffer, then falling linearly to -1 at max_tokens (where it was cut). Per
+    rollout, so that the segments of a chat-agent rollout share it, as they share its reward."""
+    longest: dict = {}
+    for i, e in enumerate(batch):
+        answer = max((end - start for start, end in answer_turns(e.loss_mask)), default=0)
+        longest[rollout_of(batch, i)] = max(longest.get(rollout_of(batch, i), 0), answer)
+    return [min(0.0, (max_tokens - buffer - longest[rollout_of(batch, i)]) / buffer) for i in range(len(batch))]

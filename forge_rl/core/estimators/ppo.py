@@ -15,13 +15,15 @@ turn's state: exactly the policy gradient of E[reward] whatever the head has lea
 baseline adds nothing in expectation); the head only lowers the variance. lambda < 1 bootstraps from the head:
 less variance, but the policy gradient only as far as the head is right (exact values give it for any lambda).
 gamma < 1 discounts later turns: a different objective. A chat-agent rollout sealed into several episodes has
-each segment end with the rollout's reward, exact for gamma = lambda = 1.
+each segment end with the rollout's reward, exact for gamma = lambda = 1. Loss: token_mean, as PPO's
+per-timestep average and verl's default.
 """
 
 from __future__ import annotations
 
 import torch
 
+from forge_rl.core.estimators.estimator import Estimator
 from forge_rl.core.estimators.groups import answer_turns
 from forge_rl.core.types import Episode
 
@@ -37,9 +39,10 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -
     return advantages
 
 
-def episode_advantages(batch: list[Episode], rewards: list[float], values: list[torch.Tensor], config) -> list[torch.Tensor]:
+def episode_advantages(batch: list[Episode], rewards: list[float], config, values: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per token [T] advantages of each episode: each turn's A_k on its sampled tokens, 0 elsewhere.
-    values: each episode's [T], V of the state tokens[:p] at position p, read where each answer starts."""
+    values: each episode's [T], V of the state tokens[:p] at position p, read where each answer starts, under
+    the weights before the batch's updates (fixed for all its minibatches and epochs, as PPO's Alg. 1)."""
     out = []
     for e, reward, v in zip(batch, rewards, values):
         turns = answer_turns(e.loss_mask)
@@ -60,3 +63,6 @@ def turn_starts(mask: torch.Tensor) -> torch.Tensor:
     for start, _ in answer_turns(mask):
         starts[start] = 1.0
     return starts
+
+
+ESTIMATOR = Estimator(episode_advantages, loss_agg="token_mean", values=True)

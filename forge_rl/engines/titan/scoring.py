@@ -99,3 +99,11 @@ def batch_tensors(batch, ref_logprobs, policy_version: int) -> dict[str, torch.T
     if ref_logprobs is not None:
         t["ref"] = pad(ref_logprobs, torch.float32)
     return t
+
+
+def add_data(t: dict[str, torch.Tensor], data: dict) -> dict:
+    """Put an optimizer step's data (the objective's, fixed for its batch: [B, T'] tensors with T' at least
+    this step's T, and numbers) into its [B, T] tensors `t`; returns the numbers."""
+    width = t["tokens"].shape[1]
+    t.update({k: v[:, :width] for k, v in data.items() if isinstance(v, torch.Tensor)})
+    return {k: v for k, v in data.items() if not isinstance(v, torch.Tensor)}

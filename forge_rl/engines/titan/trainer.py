@@ -36,16 +36,8 @@ from forge_rl.core.types import Episode
 from forge_rl.engines.titan import lora
 from forge_rl.engines.titan.export import export_hf
 from forge_rl.engines.titan.hf_weights import hf_adapter_weights, hf_weight_rows, hf_weights
-from forge_rl.engines.titan.model import (
-    autocast,
-    build_model,
-    init_distributed,
-    logprobs_of,
-    pad_right,
-    scored_logprobs,
-    scoring_head,
-)
-from forge_rl.engines.titan.scoring import ForwardPlan, batch_tensors, plan_forward, scored_positions
+from forge_rl.engines.titan.model import autocast, build_model, init_distributed, logprobs_of, pad_right, scored_logprobs, scoring_head
+from forge_rl.engines.titan.scoring import ForwardPlan, add_data, batch_tensors, plan_forward, scored_positions
 from forge_rl.engines.titan.value_head import NAME as VALUE_HEAD, head_values, scored_values, step_values
 from forge_rl.runtime.actor import ForgeActor
 from forge_rl.weights import make_publisher
@@ -58,20 +50,18 @@ NONFINITE_STEPS_BEFORE_STOPPING = 3  # in a row, each skipped: the run stops (on
 class Trainer(ForgeActor):
     """The policy being trained: model, AdamW, LR schedule, step counter, last pushed version.
 
-    Lifecycle: constructed with config only; `setup` (all ranks) joins the process group, builds the model
-    from the HF directory, the optimizer and the weights publisher; then any sequence of train_step /
-    push_weights / logprobs / save_checkpoint / load_checkpoint, each called on ALL ranks.
+    Lifecycle: constructed with config only; `setup` (all ranks) joins the process group, builds the model,
+    the optimizer and the weights publisher; then any sequence of the endpoints, each called on ALL ranks.
     Invariant: every rank holds the same step count and applies the same update (each rank gets the whole
-    batch, trains on its slice, FSDP sums the gradients).
+    batch, trains on its slice, FSDP sums the gradients); a non-finite update is applied by none.
 
     The loss function (core/objective.py `GRPOLoss` is one): `prepare(tensors, **numbers) -> totals` on an
-    optimizer step's whole minibatch before its micro-batches, and `loss_fn(logprobs [B, T], piece, entropy,
-    totals) -> (loss, metrics)` per micro-batch, where `piece` holds "behaviour", "ages", "ref" (when given) and
-    every [B, T] tensor of the step's `data` (the batch's "mask", "advantages", ...: fixed by the caller once per
-    batch, the trainer asks nothing about them), and the pieces' gradients add up to the step's. Its metrics must
-    include `num_tokens` (see `reduction` for the others); `imitation_coef` weighs the NLL of the episodes to
-    imitate. A loss_fn whose `value_head` is true gets one (value_head.py): piece["predicted_values"] (with
-    grad), and `score_batch` reads its values before a batch's updates.
+    optimizer step's minibatch, then `loss_fn(logprobs [B, T], piece, entropy, totals) -> (loss, metrics)` per
+    micro-batch, `piece` holding "behaviour", "ages", "ref" (when given) and every [B, T] tensor of the step's
+    `data` (fixed by the caller once per batch: "mask", "advantages", ...; the trainer reads none of them), the
+    pieces' gradients adding up to the step's. Its metrics include `num_tokens` (`reduction`: the others);
+    `imitation_coef` weighs the NLL of episodes to imitate; `value_head` true gives it one (value_head.py):
+    piece["predicted_values"] with grad, and the values `score_batch` reads before a batch's updates.
     """
 
     def __init__(
@@ -104,20 +94,15 @@ class Trainer(ForgeActor):
         self.model, self.adapter = build_model(self.model_path, self.device, self.dtype, lora=self.lora, value_head=value_head)
         self.model.train()
         o = self.optim_config
-        titan_optim = TitanOptimizerConfig(
-            name="AdamW",
-            lr=o.lr,
-            weight_decay=o.weight_decay,
-            implementation="fused" if self.device.type == "cuda" else "foreach",
-        )
+        implementation = "fused" if self.device.type == "cuda" else "foreach"
+        titan_optim = TitanOptimizerConfig(name="AdamW", lr=o.lr, weight_decay=o.weight_decay, implementation=implementation)
         dims = ParallelDims(dp_replicate=1, dp_shard=self.world, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=self.world)
         self.optimizers = build_optimizers([self.model], titan_optim, dims)
         # TorchTitan's warmup-stable-decay schedule. "constant" = no decay phase; its horizon is
         # made unreachable because TorchTitan's schedule fails past its last step.
         constant = o.schedule == "constant"
-        schedule = TitanLRSchedulerConfig(
-            warmup_steps=o.warmup_steps, decay_ratio=0.0 if constant else None, decay_type="linear" if constant else o.schedule
-        )
+        schedule = TitanLRSchedulerConfig(warmup_steps=o.warmup_steps, decay_ratio=0.0 if constant else None,
+                                          decay_type="linear" if constant else o.schedule)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, schedule, 10**9 if constant else self.max_steps)
         self.step, self.policy_version, self.nonfinite_in_a_row = 0, 0, 0
 
@@ -128,22 +113,17 @@ class Trainer(ForgeActor):
     ) -> dict[str, float]:
         """All ranks (every rank gets the whole batch; returns the same metrics). One optimizer step.
 
-        data: what the loss trains these episodes with, fixed once for their batch (core/objective.py
-        `batch_data`): [B, T'] tensors (row i: episode i, T' at least its length; "mask" is the trained
-        positions) and numbers, handed to the loss_fn as they are. ref_logprobs: per episode [T] reference
-        log-probs aligned with its tokens, or "base" (LoRA): this model's with the adapters off, scored here as
-        the loss's rows are. imitate: episodes whose mean token NLL, times the loss_fn's `imitation_coef`, joins
-        the loss of the same optimizer step.
-        """
+        data: fixed once for the episodes' batch (core/objective.py `batch_data`): [B, T'] tensors (row i:
+        episode i, T' at least its length; "mask": the trained positions) and numbers, for the loss_fn.
+        ref_logprobs: per episode [T] reference log-probs, or "base" (LoRA): this model's with the adapters off.
+        imitate: episodes whose mean token NLL, times the loss_fn's `imitation_coef`, joins the loss."""
         if self.loss_fn is None:
             raise ValueError("Trainer.train_step: this trainer was built without a loss_fn")
         t = self._tensors(batch, None if ref_logprobs == "base" else ref_logprobs)
         mine = self._my_rows(len(batch))
         if ref_logprobs == "base":
             t["ref"] = self._base_logprobs(t, mine)
-        width = t["tokens"].shape[1]
-        t.update({k: v[:, :width] for k, v in data.items() if isinstance(v, torch.Tensor)})
-        totals = self.loss_fn.prepare(t, **{k: v for k, v in data.items() if not isinstance(v, torch.Tensor)})
+        totals = self.loss_fn.prepare(t, **add_data(t, data))
         plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
         total_loss, tokens, forward_tokens = 0.0, 0.0, 0
         sums, lows, highs = defaultdict(float), {}, {}
@@ -197,16 +177,22 @@ class Trainer(ForgeActor):
     @endpoint
     async def score_batch(self, batch: list[Episode], masks: list[torch.Tensor], values: bool, entropy: bool) -> dict:
         """All ranks (collective when sharded; all return the same). A batch under the current weights, before
-        its updates, no grad: what an objective fixes once per batch. `values`: each episode's [T] value-head
-        values (V of the state before each sampled token, 0 elsewhere); `entropy`: the mean next-token entropy
-        over the positions `masks` [T] marks, every rank's rows together."""
+        its updates, no grad, one forward: what an objective fixes once per batch. `values`: each episode's [T]
+        value-head values (V of the state before each sampled token, 0 elsewhere); `entropy`: the mean
+        next-token entropy over the positions `masks` [T] marks, every rank's rows together."""
         t, mine, out = self._tensors(batch, None), self._my_rows(len(batch)), {}
+        with torch.no_grad():
+            pieces = list(self._scored_pieces(t, mine))
         if values:
-            v = step_values(self._scored_pieces(t, mine), t["mask"], self.device)
+            v = step_values(pieces, t["mask"], self.device)
             out["values"] = [v[i, : len(e.tokens)] for i, e in enumerate(batch)]
         if entropy:
-            t["mask"] = pad_right([torch.as_tensor(m, dtype=torch.float32) for m in masks], t["tokens"].shape[1])
-            out["mean_entropy"] = self._mean_entropy(t, mine)
+            trained, total, tokens = pad_right([torch.as_tensor(m).float() for m in masks], t["tokens"].shape[1]), 0.0, 0.0
+            for episodes, _, h, width, weight, _ in pieces:
+                m = trained[episodes, 1 : width + 1].to(self.device) * weight
+                total, tokens = total + (h * m).sum().item(), tokens + m.sum().item()
+            sums = self._all_sum({"entropy": total, "tokens": tokens})
+            out["mean_entropy"] = sums["entropy"] / max(sums["tokens"], 1.0)
         return out
 
     @endpoint
@@ -218,12 +204,8 @@ class Trainer(ForgeActor):
         next push and the next optimizer step wait for it): the bytes published, on every rank. `receivers`:
         the generator replicas a broadcast goes to (those the controller then tells to load it)."""
         shapes, tensors, adapter, rows = self._outgoing()
-        try:
+        async with self._sending(tensors):
             await self.publisher.publish(shapes, tensors, version, rows, adapter, receivers)
-        finally:  # whatever failed on one rank: the others wait in its gathers and at the barrier
-            await asyncio.to_thread(drain, tensors)
-            if dist.is_initialized():
-                dist.barrier()
         self.policy_version = self.held_version = version
         return sum(t.numel() * t.element_size() for t in shapes.values())
 
@@ -234,13 +216,19 @@ class Trainer(ForgeActor):
         if getattr(self, "held_version", None) != version:
             return False
         _, tensors, _, _ = self._outgoing()
-        try:
+        async with self._sending(tensors):
             self.publisher.resend(replica, tensors, version)
+        return True
+
+    @contextlib.asynccontextmanager
+    async def _sending(self, tensors):
+        """Around a push: whatever failed on one rank, the others wait in its gathers and at the barrier."""
+        try:
+            yield
         finally:
             await asyncio.to_thread(drain, tensors)
             if dist.is_initialized():
                 dist.barrier()
-        return True
 
     def _outgoing(self) -> tuple[dict, object, dict | None, bool]:
         """What a push publishes: shapes, the tensors (an iterator), the LoRA scale, whether by rows."""
@@ -264,9 +252,7 @@ class Trainer(ForgeActor):
         self.model.eval()
         try:
             with lora.adapters_off(self.model) if base else contextlib.nullcontext():
-                return logprobs_of(
-                    self.model, token_ids, self.device, self.dtype, self.micro_batch_size, self.allowed_token_ids, self.temperature
-                )
+                return logprobs_of(self.model, token_ids, self.device, self.dtype, self.micro_batch_size, self.allowed_token_ids, self.temperature)
         finally:
             self.model.train()
 
@@ -370,17 +356,6 @@ class Trainer(ForgeActor):
             for episodes, lp, _, width, _, _ in self._scored_pieces(t, mine):
                 ref[episodes, 1 : width + 1] = lp.float().cpu()
         return ref
-
-    @torch.no_grad()
-    def _mean_entropy(self, t: dict, mine: list[int]) -> float:
-        """The policy's mean next-token entropy over the batch's trained tokens (mask weights), every rank's
-        rows together, under the current weights: a decision a loss makes once per step, on every rank alike."""
-        total, tokens = 0.0, 0.0
-        for episodes, _, entropy, width, weight, _ in self._scored_pieces(t, mine):
-            mask = t["mask"][episodes, 1 : width + 1].to(self.device) * weight
-            total, tokens = total + (entropy * mask).sum().item(), tokens + mask.sum().item()
-        sums = self._all_sum({"entropy": total, "tokens": tokens})
-        return sums["entropy"] / max(sums["tokens"], 1.0)
 
     def _imitation_backward(self, episodes: list[Episode], coef: float) -> float:
         """Backward of coef x the mean NLL of the episodes' sampled tokens (their loss_mask); returns that NLL.

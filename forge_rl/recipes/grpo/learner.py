@@ -65,14 +65,27 @@ def merged(steps: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-async def batch_data(objective: GRPOLoss, batch: list[Episode], trained_version: int, score) -> tuple[dict, dict[str, float]]:
+async def batch_data(objective: GRPOLoss, batch: list[Episode], trained_version: int, score, ref_logprobs=None) -> tuple[dict, dict[str, float]]:
     """The objective's data for `batch`, fixed before any of its optimizer steps (advantages; ppo's old values
     and targets; the entropy floor's decision), with what it needs of the trainer's weights as they are before
     them (`score`: the trainer's `score_batch`, awaited); and the figures of the batch's start."""
     masks, seen = objective.masks(batch, trained_version), {}
     if objective.value_head or objective.entropy_floor:
         seen = await score(batch, masks, objective.value_head, objective.entropy_floor)
-    return objective.batch_data(batch, masks, seen.get("values"), seen.get("mean_entropy"))
+    return objective.batch_data(batch, masks, seen.get("values"), seen.get("mean_entropy"), ref_logprobs)
+
+
+async def train_batch(objective: GRPOLoss, batch: list[Episode], trained_version: int, minibatches_per_epoch: int,
+                      epochs: int, score, train_step, ref_logprobs=None) -> tuple[list[dict], dict[str, float]]:
+    """A batch's optimizer steps as PPO's Algorithm 1 takes them: the objective's data fixed once, before any
+    (`batch_data`), then `epochs` passes over whole-group minibatches, each `train_step(indices, their data)`,
+    awaited. Returns each step's figures and the batch's start figures. tests/test_exact_gradient.py runs this
+    very loop on a tabular policy."""
+    data, at_start = await batch_data(objective, batch, trained_version, score, ref_logprobs)
+    steps = []
+    for part, part_data in optimizer_steps(batch, data, minibatches_per_epoch, epochs):
+        steps.append(await train_step(part, part_data))
+    return steps, at_start
 
 
 class Learner:
@@ -94,13 +107,20 @@ class Learner:
         if self.imitation is not None:
             self.imitation.add_batch(batch)
             imitate = self.imitation.sample(self.cfg.grpo.self_imitation.episodes)
-        score = functools.partial(call, self.trainer, "score_batch", timeout_s=self.cfg.trainer.timeout_s)
-        data, at_start = await batch_data(self.objective, batch, version - 1, score)
-        timeout_s, steps = self.cfg.trainer.timeout_s, []
-        for part, part_data in optimizer_steps(batch, data, self.cfg.grpo.minibatches, self.cfg.grpo.epochs):
+        grpo, timeout_s = self.cfg.grpo, self.cfg.trainer.timeout_s
+        score = functools.partial(call, self.trainer, "score_batch", timeout_s=timeout_s)
+        reference = None  # kl_in_reward: the reference's log-probs go into the batch's advantages
+        if grpo.kl_in_reward:
+            reference = ref_logprobs if ref_logprobs != "base" else await call(
+                self.trainer, "logprobs", [e.tokens for e in batch], True, timeout_s=timeout_s)
+        imitating = [imitate]  # self-imitation joins the batch's first optimizer step only
+
+        async def train_step(part: list[int], part_data: dict) -> dict:
             ref = [ref_logprobs[i] for i in part] if isinstance(ref_logprobs, list) else ref_logprobs
-            episodes = [batch[i] for i in part]
-            steps.append(await call(self.trainer, "train_step", episodes, part_data, ref, None if steps else imitate, timeout_s=timeout_s))
+            episodes, also = [batch[i] for i in part], imitating.pop() if imitating else None
+            return await call(self.trainer, "train_step", episodes, part_data, ref, also, timeout_s=timeout_s)
+
+        steps, at_start = await train_batch(self.objective, batch, version - 1, grpo.minibatches, grpo.epochs, score, train_step, reference)
         trained = merged(steps)
         after_train = time.perf_counter()
         push_times = await self.publish(version)
