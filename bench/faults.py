@@ -17,12 +17,12 @@ Kubernetes pod restart does). Faults, each at a random time (exponential gaps of
   parser       the next answer reaches the tool-call parser behind text that crashed it (RecursionError)
 A fault is survived when the run trains at least one more step after it (or ends its steps). At the end:
 
-    faults injected=<n> survived=<m> steps=<k> lost_games=<g>
+    faults injected=<n> survived=<m> steps=<k> lost_groups=<g>
     bad input taken=<t>: groups lost {<reason>: <n>}, prompts cut off <p>; beyond their own groups: <b>
     final eval EV=<ev> (luck-corrected <ev'>)
 
-lost_games: games lost (a session not restored, an error), over every part of the run (a restarted run
-counts again from 0). Bad input taken by a training game costs at most its group (an evaluation game's, none);
+lost_groups: groups lost (a session not restored, a game's error), over every part of the run (a restarted
+run counts again from 0). Bad input taken by a training game costs at most its group (an evaluation game's, none);
 an overflow and a parser fault cost none: <b> counts the groups lost beyond that. The goal: every fault
 survived, b = 0, the run ends its steps, final eval EV >= -0.08 (docs/reliability.md).
 """
@@ -60,9 +60,8 @@ def trained_steps(run_dir: Path) -> int:
     return max((r["step"] for r in read_metrics(run_dir) if "train/loss" in r), default=0)
 
 
-def counted(run_dir: Path, key: str = "rollout/aborted_games") -> int:
-    """A counter of the metrics (lost games by default) summed over the parts of a run (it restarts with each
-    restart of the run)."""
+def counted(run_dir: Path, key: str) -> int:
+    """A counter of the metrics summed over the parts of a run (it restarts with each restart of the run)."""
     total, last = 0, 0
     for row in read_metrics(run_dir):
         if key in row:
@@ -73,11 +72,16 @@ def counted(run_dir: Path, key: str = "rollout/aborted_games") -> int:
     return total + last
 
 
+def lost_groups(run_dir: Path) -> dict[str, int]:
+    """Groups lost by reason (rollout/lost_groups/<reason>) over every part of the run."""
+    keys = {k for row in read_metrics(run_dir) for k in row if k.startswith("rollout/lost_groups/")}
+    return {k.removeprefix("rollout/lost_groups/"): counted(run_dir, k) for k in sorted(keys)}
+
+
 def bad_input_report(run_dir: Path, faults_dir: str) -> str:
     """What the bad input cost: groups lost by reason (any cause's, kills' included), prompts cut off, and the
     groups lost to its reasons beyond one per fault taken (0 when each cost at most its own group)."""
-    keys = {k for row in read_metrics(run_dir) for k in row if k.startswith("rollout/lost_groups/")}
-    lost = {k.removeprefix("rollout/lost_groups/"): counted(run_dir, k) for k in sorted(keys)}
+    lost = lost_groups(run_dir)
     took = {fault: taken(faults_dir, fault) for fault in BAD_INPUT}
     allowed = {reason: sum(n for f, n in took.items() if BAD_INPUT[f] == reason) for reason in lost}
     beyond = sum(max(n - allowed[reason], 0) for reason, n in lost.items() if reason in BAD_INPUT.values() or reason == "RecursionError")
@@ -180,7 +184,7 @@ def main() -> None:
         print(f"run exit status {rc}; trainer restarts {restarts}; run_dir {run_dir}")
         if rc != 0:
             print("".join(output[-40:]))
-        print(f"faults injected={len(injected)} survived={survived} steps={steps} lost_games={counted(run_dir)}")
+        print(f"faults injected={len(injected)} survived={survived} steps={steps} lost_groups={sum(lost_groups(run_dir).values())}")
         print(bad_input_report(run_dir, os.environ["FORGE_RL_FAULTS_DIR"]))
         evals = [r for r in read_metrics(run_dir) if "eval/ev" in r]
         if evals:

@@ -53,4 +53,4 @@ def test_training_stops_when_every_game_of_many_groups_is_aborted(dead_url):
 
     with pytest.raises(GroupsLost, match="the last 20 groups were lost, the last to session_lost .*could not connect.*is the environment server gone"):
         asyncio.run(twenty_groups())
-    assert rollouts.aborted_games == 20 * rollouts.cfg.grpo.group_size
+    assert rollouts.lost_groups == {"session_lost": 20}

@@ -21,7 +21,6 @@ from typing import Any
 
 from forge_rl.core.rewards import checked_reward
 from forge_rl.rollout.chat_server import ChatServer
-from forge_rl.rollout.env_client import EpisodeAborted
 from forge_rl.rollout.play import GameResult
 from forge_rl.rollout.tools import call_tool_action, tool_result_text
 
@@ -144,8 +143,6 @@ async def play_agent(rollouts, seed: int, group_id: str, asks, reset_args: dict 
             if reward is None:
                 reward = (env.last.reward if env.last is not None else None) or 0.0
             reward = checked_reward(reward, f"{rollouts.app.name}.run_agent")
-    except EpisodeAborted as e:
-        return GameResult([], 0.0, False, lost=rollouts.lost(e))
     finally:
         await server.end_rollout(rollout.rollout_id, reward)
     return GameResult(rollout.episodes(group_id), reward, False)

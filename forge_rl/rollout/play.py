@@ -19,7 +19,6 @@ from forge_rl.core.config import ConfigError, SamplingConfig
 from forge_rl.core.episode import EpisodeRecord
 from forge_rl.core.rewards import checked_reward
 from forge_rl.core.types import Episode
-from forge_rl.rollout.env_client import EpisodeAborted
 from forge_rl.rollout.segments import end_of_turn
 from forge_rl.rollout.tools import is_tool_result, tool_result_text, tools_in_system
 
@@ -161,34 +160,31 @@ async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict |
             clock[kind] += time.perf_counter() - start
 
     async with rollouts.sessions.session() as session:
-        try:
-            observation = (await timed("env", session.reset(seed=seed, **(reset_args or cfg.env.reset_args)))).observation
-            template = cfg.model.chat_template_kwargs
-            prompt = prompt_ids(app, tokenizer, observation, True, template_kwargs=template)
-            record, invalid, overflowed, turns = EpisodeRecord(), False, False, []
-            previous = None  # (prompt ids, answer ids) of the last turn, for the group's shared requests
-            for turn in range(cfg.rollout.max_turns):
-                if observation["done"]:
-                    break
-                if turn:
-                    unclosed = record.token_ids[-1] != end_of_turn(tokenizer)[1]
-                    prompt = prompt_ids(app, tokenizer, observation, False, unclosed, template)
-                # vLLM refuses a prompt of max_model_len tokens (tool outputs can grow one past it): the game is cut
-                # off there, as at max_turns, its earlier turns kept
-                if overflowed := len(record.token_ids) + len(prompt) >= cfg.generator.max_model_len:
-                    break
-                record.add_prompt(prompt)
-                completion = await timed("policy", asks.answer(list(record.token_ids), previous))
-                previous = (tuple(completion.prompt_ids), tuple(completion.token_ids))
-                record.add_completion(completion)
-                action = app.parse_action(completion.text, observation)
-                turns.append((prompt, completion.text, action))
-                if action is None:
-                    invalid = True
-                    break
-                observation = (await timed("env", session.step(action))).observation
-        except EpisodeAborted as e:
-            return GameResult([], 0.0, False, lost=rollouts.lost(e))
+        observation = (await timed("env", session.reset(seed=seed, **(reset_args or cfg.env.reset_args)))).observation
+        template = cfg.model.chat_template_kwargs
+        prompt = prompt_ids(app, tokenizer, observation, True, template_kwargs=template)
+        record, invalid, overflowed, turns = EpisodeRecord(), False, False, []
+        previous = None  # (prompt ids, answer ids) of the last turn, for the group's shared requests
+        for turn in range(cfg.rollout.max_turns):
+            if observation["done"]:
+                break
+            if turn:
+                unclosed = record.token_ids[-1] != end_of_turn(tokenizer)[1]
+                prompt = prompt_ids(app, tokenizer, observation, False, unclosed, template)
+            # vLLM refuses a prompt of max_model_len tokens (tool outputs can grow one past it): the game is cut
+            # off there, as at max_turns, its earlier turns kept
+            if overflowed := len(record.token_ids) + len(prompt) >= cfg.generator.max_model_len:
+                break
+            record.add_prompt(prompt)
+            completion = await timed("policy", asks.answer(list(record.token_ids), previous))
+            previous = (tuple(completion.prompt_ids), tuple(completion.token_ids))
+            record.add_completion(completion)
+            action = app.parse_action(completion.text, observation)
+            turns.append((prompt, completion.text, action))
+            if action is None:
+                invalid = True
+                break
+            observation = (await timed("env", session.step(action))).observation
     if not overflowed and (invalid or observation["done"]):
         reward = checked_reward(app.reward(observation, invalid, cfg.rollout.invalid_action_penalty), f"{app.name}.reward")
     else:  # cut off: never scored better than losing (schema.py, rollout.cutoff_reward)

@@ -6,9 +6,9 @@ It owns the environment sessions, the batcher that sends the games' requests to 
 the chat server of agent apps, and its counters (games played and lost, groups lost by reason, the recent
 rewards the progress bar shows). The policy is any object with `route(endpoint, ...)` (a Service of Generators).
 
-A game that raises (a reward that is no finite number, a step that timed out, the server's refusal, an app's
-or agent's error) or whose session is lost costs its group, never the run: the group is dropped, its other
-games cancelled, and counted by reason (an error's `reason`, else its type's name), said in run.log once.
+A game that raises (a reward that is no finite number, a step that timed out, its session lost, the server's
+refusal, an app's or agent's error) costs its group, never the run: the group is dropped, its other games
+cancelled, and counted by reason (an error's `reason`, else its type's name), said in run.log once.
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ class Rollouts:
         self.batcher: RequestBatcher | None = None  # made on the first request (it needs the running loop)
         self.agents = None  # agent apps: the task starting the chat server (rollout/agents.py)
         self.episodes_played = 0
-        self.aborted_games = 0  # training games lost (GameResult.lost)
         self.prompt_overflows = 0  # training games cut off for a prompt of generator.max_model_len tokens
         self.lost_groups: Counter[str] = Counter()  # reason -> training groups lost to it
         self.env_s = self.policy_s = 0.0  # seconds games waited on environments / on the policy, summed over games
@@ -131,20 +130,17 @@ class Rollouts:
         shared = SharedRequests(self.generate, size, self.sampling(), seed=(self.cfg.seed, seed))
         try:
             results = await gather_or_cancel(self.game(seed, f"seed{seed}", shared, reset_args) for _ in range(size))
-        except Exception as e:
+        except Exception as e:  # its other games are cancelled: a group with a game missing is not comparable
             return self.lose_group(self.lost(e))
         self.episodes_played += len(results)
         self.last_group = results
-        self.aborted_games += sum(bool(r.lost) for r in results)
         self.prompt_overflows += sum(r.overflowed for r in results)
         self.env_s += sum(r.env_s for r in results)
         self.policy_s += sum(r.policy_s for r in results)
-        self.recent = (self.recent + [(r.reward, r.invalid) for r in results if not r.lost])[-2000:]
-        if empty := sum(not r.lost and not r.episodes for r in results):
+        self.recent = (self.recent + [(r.reward, r.invalid) for r in results])[-2000:]
+        if empty := sum(not r.episodes for r in results):
             hint = "an agent must call the model (ctx.base_url), a game must reach a decision"
             return self.lose_group(self.lost(NoEpisode(f"{empty} of a group's games ended without asking the policy: {hint}")))
-        if lost := next((r.lost for r in results if r.lost), None):
-            return self.lose_group(lost)  # a group with a dropped game is not comparable
         self.groups_lost_in_a_row = 0
         return [e for r in results for e in r.episodes]
 

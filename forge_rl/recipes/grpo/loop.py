@@ -161,9 +161,9 @@ async def warn_if_stalled(job: Job, since: float) -> float:
     stats, rollouts = await job.buffer_stats(), job.rollouts
     logger.warning(
         "no train step for %.0f s: the replay buffer holds %d of the %d groups a step needs (groups added %d, "
-        "refused for equal rewards %d, evicted as older than max_policy_age %d; games played %d, lost %d; groups lost %s)",
+        "refused for equal rewards %d, evicted as older than max_policy_age %d; games played %d; groups lost %s)",
         time.time() - since, stats["groups"], job.cfg.grpo.batch_size, stats["added"], stats["filtered_zero_spread"],
-        stats["evicted_stale"], rollouts.episodes_played, rollouts.aborted_games, dict(rollouts.lost_groups),
+        stats["evicted_stale"], rollouts.episodes_played, dict(rollouts.lost_groups),
     )
     return time.time()
 
@@ -212,7 +212,6 @@ async def train(job: Job, progress, workers: list[asyncio.Task]) -> None:
             "train/reward": reward,
             "train/invalid_rate": invalid_rate,
             "train/episodes_per_s": (rollouts.episodes_played - episodes_at_start) / (time.time() - start),
-            "rollout/aborted_games": rollouts.aborted_games,
             "rollout/prompt_overflows": rollouts.prompt_overflows,
             **{f"rollout/lost_groups/{reason}": n for reason, n in rollouts.lost_groups.items()},
             "rollout/env_s": rollouts.env_s,  # totals over the run's games: what share of a game was the environment's
