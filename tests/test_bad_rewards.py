@@ -1,7 +1,8 @@
 """A reward is a finite number or an error (issue #53): every path that brings one refuses NaN, +-inf and
 non-numbers as an error of that episode; a hung reward function holds neither its session nor the run; a step
 that timed out is never sent again; an errored episode costs its group, counted by reason, never the run.
-Against the real dataset server (tests/hostile_app.py's reward), the real BlackJack server, and a real run."""
+Against the real dataset server (tests/hostile_app.py's reward) and a real run; the other paths are tested beside
+their code (test_env_client.py, test_agents.py, test_tools.py, test_chat_server.py)."""
 
 from __future__ import annotations
 
