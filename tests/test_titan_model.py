@@ -115,3 +115,38 @@ def test_unknown_model_family_names_the_fix(tmp_path):
     (path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="MODEL_FAMILIES"):
         build_model(path, torch.device("cpu"))
+
+
+def qwen2_model(path):
+    """A small random Qwen2 (Qwen2.5's family: q/k/v biases, no q/k norms), every weight and bias drawn."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn(p.shape, generator=generator))
+    model.save_pretrained(path)
+    return path
+
+
+def test_qwen2_is_the_trainers_model_as_transformers_computes_it_lora_and_export_included(tmp_path):
+    """Qwen2.5's family, the second real one: TorchTitan's Qwen3 without q/k norms and with q/k/v biases gives
+    transformers' log-probs, with LoRA layers too (their base layers keep the biases), and to_hf gives back
+    every tensor of the checkpoint, biases included (weight sync and export)."""
+    from forge_rl.core.config import LoraConfig
+
+    path = qwen2_model(tmp_path / "qwen2")
+    ids = [torch.randint(5, 150, (12,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    expected = hf_logprobs(str(path), ids)
+    for lora in (None, LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])):
+        model, adapter = build_model(path, torch.device("cpu"), lora=lora)
+        for ours, theirs in zip(logprobs_of(model, ids, torch.device("cpu"), "float32"), expected):
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    model, adapter = build_model(path, torch.device("cpu"))
+    out, original = hf_state_dict(model, adapter), load_file(str(path / "model.safetensors"))
+    assert set(out) == set(original) and "model.layers.1.self_attn.k_proj.bias" in out
+    for name, tensor in original.items():
+        torch.testing.assert_close(out[name], tensor, atol=0, rtol=0)

@@ -15,8 +15,9 @@ tokenizer files with the chat template, safetensors. `model.path` may be
 Materialising a GGUF file: transformers reads it (config, BPE tokenizer with its chat template,
 weights dequantised by the `gguf` library, q/k un-permuted back to HF's rotary layout) and we write
 the HF directory with the weights in the configured dtype. Tied embeddings are untied on the way
-(lm_head.weight is a copy of embed_tokens.weight, tie_word_embeddings false): TorchTitan's Llama has
-no weight tying, and this way vLLM, the trainer and weight sync all see the same tensors.
+(lm_head.weight is a copy of embed_tokens.weight, tie_word_embeddings false; a file with an output head
+of its own keeps it): TorchTitan's Llama has no weight tying, and this way vLLM, the trainer and weight
+sync all see the same tensors.
 
 The cache ($FORGE_RL_CACHE, else ~/.cache/forge_rl/models) holds one directory per (file, dtype),
 named after the file's size and mtime too, so a changed file is materialised anew. A directory is
@@ -180,7 +181,10 @@ def write_hf_directory(gguf: Path, dtype: str, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch_dtype)
     state = {k: v.detach().to(torch_dtype).contiguous().clone() for k, v in model.state_dict().items()}
     config = model.config
-    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # untied: see the module docstring
+    # Untied (see the module docstring); a file with an output head of its own keeps it: Qwen2.5-Coder's is Q8_0
+    # beside a Q5_0 embedding, and copying the embedding over it threw the finer head away.
+    if config.tie_word_embeddings or "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
     config.tie_word_embeddings = False
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights we write are plain tensors

@@ -9,6 +9,7 @@ environment the provisioner sets, FSDP2 sharding, and the batch layout (right-pa
 ids, position t of every [B, T] tensor is about token t).
 """
 
+import dataclasses
 import json
 import os
 from contextlib import contextmanager
@@ -52,6 +53,27 @@ def qwen3_args(hf: dict) -> Qwen3ModelArgs:
         enable_weight_tying=hf.get("tie_word_embeddings", False),
         attn_type="sdpa",
     )
+
+
+def qwen2_args(hf: dict) -> Qwen3ModelArgs:
+    """HF Qwen2 (Qwen2.5) config.json -> TorchTitan's Qwen3 args without q/k norms: the two differ only there and
+    in Qwen2's q/k/v biases, which Qwen2Model adds."""
+    return dataclasses.replace(qwen3_args(hf), qk_norm=False)
+
+
+class Qwen2Model(Qwen3Model):
+    def __init__(self, model_args: Qwen3ModelArgs):
+        super().__init__(model_args)
+        for block in self.layers.values():
+            for name in ("wq", "wk", "wv"):
+                linear = getattr(block.attention, name)
+                setattr(block.attention, name, torch.nn.Linear(linear.in_features, linear.out_features, bias=True))
+
+
+class Qwen2StateDictAdapter(Qwen3StateDictAdapter):
+    def __init__(self, model_args, hf_assets_path):
+        super().__init__(model_args, hf_assets_path)
+        self.from_hf_map |= {f"model.layers.{{}}.self_attn.{hf}_proj.bias": f"layers.{{}}.attention.w{hf}.bias" for hf in "qkv"}
 
 
 def llama_args(hf: dict) -> Llama3ModelArgs:
@@ -108,6 +130,7 @@ def rope_theta(hf: dict) -> float:
 MODEL_FAMILIES = {
     "qwen3": (qwen3_args, Qwen3Model, Qwen3StateDictAdapter),
     "llama": (llama_args, Llama3Model, Llama3StateDictAdapter),
+    "qwen2": (qwen2_args, Qwen2Model, Qwen2StateDictAdapter),
 }
 
 
