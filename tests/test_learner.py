@@ -22,9 +22,10 @@ def test_minibatches_hold_whole_groups_in_the_order_they_came():
     assert len(minibatches(batch, 9)) == 4, "never an empty minibatch"
 
 
-def test_a_steps_figures_sum_counts_merge_extremes_as_extremes_and_average_the_rest():
+def test_a_steps_figures_sum_counts_merge_extremes_as_extremes_and_average_the_rest_by_tokens():
+    """A minibatch of 20 trained tokens weighs twice one of 10, as the trainer weighs its micro-batches."""
     steps = [{"loss": 1.0, "ratio_max": 1.5, "ratio_min": 0.9, "imitation_nll": 2.0, "forward_tokens": 300, "num_tokens": 20},
-             {"loss": 3.0, "ratio_max": 1.1, "ratio_min": 0.7, "forward_tokens": 200, "num_tokens": 10}]
+             {"loss": 4.0, "ratio_max": 1.1, "ratio_min": 0.7, "forward_tokens": 200, "num_tokens": 10}]
     assert merged(steps) == {"loss": 2.0, "ratio_max": 1.5, "ratio_min": 0.7, "imitation_nll": 2.0, "forward_tokens": 500, "num_tokens": 30}
 
 

@@ -57,11 +57,16 @@ def optimizer_steps(batch: list[Episode], data: dict, minibatches_per_epoch: int
 
 def merged(steps: list[dict[str, float]]) -> dict[str, float]:
     """One step's figures from its optimizer steps': counts summed, extremes as extremes, the rest averaged
-    (core/loss.py `reduction`, as the trainer combines its micro-batches)."""
-    combine = {"sum": sum, "min": min, "max": max, "mean": lambda values: sum(values) / len(values)}
+    weighted by each step's num_tokens, as the trainer combines its micro-batches (core/loss.py `reduction`):
+    a minibatch of twice the tokens is twice the batch's loss."""
     out = {}
     for k in dict.fromkeys(k for s in steps for k in s):  # every figure any step gave, in order
-        out[k] = combine[reduction(k)]([s[k] for s in steps if k in s])
+        having, kind = [s for s in steps if k in s], reduction(k)
+        if kind == "mean":
+            weights = [s.get("num_tokens", 1.0) for s in having]
+            out[k] = sum(s[k] * w for s, w in zip(having, weights)) / sum(weights)
+        else:
+            out[k] = {"sum": sum, "min": min, "max": max}[kind](s[k] for s in having)
     return out
 
 
