@@ -91,6 +91,8 @@ def write(tmp_path, text):
         (["grpo.batch_size=4", "grpo.minibatches=5"], r"grpo\.minibatches: each holds whole groups, so at most batch_size \(4\)"),
         (["grpo.estimator=ppo", "grpo.turn_credit=1"], r"grpo\.turn_credit: compares a group's rewards; ppo's baseline is the value head's"),
         (["grpo.estimator=ppo", "grpo.group_size=0"], r"grpo\.group_size: expected > 0"),
+        (["grpo.estimator=ppo", "grpo.group_size=1", "grpo.turn_credit=0", "grpo.filter_zero_spread=true"],
+         r"grpo\.filter_zero_spread: refuses groups whose rewards are all equal, as a group of one always is"),
         (["grpo.normalize_std=true"], r"grpo\.normalize_std: replaced by grpo\.estimator: grpo divides by the group's std, dr_grpo does not"),
         (["grpo.overlong_buffer=5"], r"grpo\.overlong_buffer: 5 is longer than sampling\.max_tokens \(4\)"),
         (["grpo.ratio_level=word"], r"grpo\.ratio_level: expected one of 'token', 'sequence'"),

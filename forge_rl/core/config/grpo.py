@@ -123,6 +123,9 @@ class GRPOConfig:
         if self.group_size < 2 and self.estimator != "ppo":
             raise ConfigError(f"{key}.group_size: expected >= 2 (advantages compare a group; ppo needs none), got {self.group_size}")
         check_positive(self, key, "batch_size", "group_size", "minibatches", "epochs")
+        if self.filter_zero_spread and self.group_size < 2:
+            raise ConfigError(f"{key}.filter_zero_spread: refuses groups whose rewards are all equal, as a group of one always is: "
+                              "set it false, or group_size >= 2")  # fmt: skip
         if self.minibatches > self.batch_size:
             raise ConfigError(f"{key}.minibatches: each holds whole groups, so at most batch_size ({self.batch_size}), got {self.minibatches}")
         for name in ("gamma", "gae_lambda"):
