@@ -176,6 +176,27 @@ def test_a_reply_whose_reward_is_no_finite_number_is_the_episodes_error():
             run(go(reward))
 
 
+def test_an_answer_that_is_no_observation_is_an_error_naming_the_servers_openenv():
+    """A server of another OpenEnv version may answer in another shape: read as an observation, it was an empty one."""
+    async def go(health: dict):
+        async def server(ws):
+            async for _ in ws:
+                await ws.send('{"type": "step_result", "data": {"observation": {}, "reward": null, "done": false}}')
+
+        def answer_health(connection, request):
+            if request.path == "/health":
+                return connection.respond(200, json.dumps(health))
+
+        async with websockets.asyncio.server.serve(server, "127.0.0.1", 0, process_request=answer_health) as ws_server:
+            async with EnvSession(f"http://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}", timeout_s=5) as session:
+                await session.reset(seed=1)
+
+    with pytest.raises(EnvError, match=r"answered a reset with a 'step_result' message, not OpenEnv 0\.10's observation; the server runs openenv 0\.11\.0"):
+        run(go({"status": "healthy", "openenv": "0.11.0"}))
+    with pytest.raises(EnvError, match=r"the server runs openenv \(its /health does not say\)"):
+        run(go({"status": "healthy"}))
+
+
 def test_step_before_reset_and_bad_arguments_are_clear():
     with pytest.raises(EnvError, match="before reset"):
         run(EnvSession("http://127.0.0.1:1").step({"action": "HIT"}))
@@ -279,4 +300,4 @@ def test_module_entry_point_reads_max_concurrent_envs():
     """`python -m apps.blackjack.env` is what Kubernetes runs; it honours MAX_CONCURRENT_ENVS."""
     with launch_local("apps.blackjack.env", max_concurrent_envs=3) as srv:
         health = json.load(urllib.request.urlopen(f"{srv.url}/health", timeout=5))
-    assert health["environment"] == "BlackJackEnvironment" and health["max_concurrent_envs"] == 3
+    assert health["environment"] == "BlackJackEnvironment" and health["max_concurrent_envs"] == 3 and health["openenv"] == "0.10.0"

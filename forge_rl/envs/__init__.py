@@ -16,7 +16,7 @@ with vLLM); `launch_local` (local.py) starts one with its python on 127.0.0.1 fo
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.metadata
 import os
 import typing
 
@@ -62,7 +62,7 @@ def build_app(env_cls: type, max_concurrent_envs: int):
     app = create_app(env_cls, action_cls, observation_cls, max_concurrent_envs=max_concurrent_envs)
     info_fn = getattr(env_cls, "health_info", None)
     extra = dict(info_fn()) if callable(info_fn) else {}
-    extra.update(environment=env_cls.__name__, max_concurrent_envs=max_concurrent_envs)
+    extra.update(environment=env_cls.__name__, max_concurrent_envs=max_concurrent_envs, openenv=importlib.metadata.version("openenv"))
     # OpenEnv's /health only says "healthy"; replace it so probes also see e.g. the sandbox mode.
     replace_route(app, "/health", lambda: {"status": "healthy", **extra}, methods=["GET"])
     return app

@@ -95,6 +95,10 @@ class Connection:
             message = json.loads(await self.ws.recv())
         if message.get("type") == "error":
             raise ServerError(self.url, message.get("data", {}))
+        if message.get("type") != "observation":  # another protocol's answer, read as one would be an empty observation
+            runs = await asyncio.to_thread(openenv_version, http_url(self.url).removesuffix("/ws"))
+            raise ServerError(self.url, {"code": "PROTOCOL", "message": f"answered a {kind} with a {message.get('type')!r} message, not "
+                                         f"OpenEnv 0.10's observation; the server runs openenv {runs or '(its /health does not say)'}"})
         payload = message.get("data", {})
         # A reward is a finite number or none (not done yet; OpenEnv's server sends a NaN or inf as none, so a server
         # must check its own, as the dataset server does); anything else is this episode's error.
@@ -130,6 +134,14 @@ def get_json(url: str, path: str, timeout_s: float, body: dict | None = None) ->
     request = urllib.request.Request(http_url(url) + path, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         return json.loads(response.read() or b"null")
+
+
+def openenv_version(url: str) -> str | None:
+    """The openenv version the server at `url` says it runs (forge_rl's servers put it in /health), or None."""
+    try:
+        return get_json(url, "/health", 5.0).get("openenv")
+    except Exception:  # an error path already: what the server does not say stays unknown
+        return None
 
 
 def task_split_size(url: str, split: str, timeout_s: float) -> tuple[int | None, list[str]]:
