@@ -172,6 +172,54 @@ def test_the_session_pool_fits_a_running_server_or_the_run_stops_naming_both_num
         server_capacity(server.url, 2)
 
 
+def test_a_pool_larger_than_the_server_fits_itself_to_the_max_sessions_its_refusal_reports():
+    """A server of 2 sessions whose size the pool was not told (a server whose /health does not say): the first
+    games meet CAPACITY_REACHED, max_sessions 2, and the pool shrinks to 2; from then on its games queue in the
+    pool, none at the server (before, 6 of every 8 games waited at the server again, each round)."""
+    with launch_local(BLACKJACK, max_concurrent_envs=2) as server:
+        async def play(pool, seed):
+            async with pool.session() as session:
+                waits = session.capacity_waits
+                observation = (await session.reset(seed=seed)).observation
+                while not observation["done"]:
+                    observation = (await session.step({"action": "STAND"})).observation
+                return session.capacity_waits - waits
+
+        async def rounds():
+            pool = SessionPool(server.url, 8, 30, capacity_wait_s=30)
+            try:
+                return [sum(await asyncio.gather(*(play(pool, 8 * r + i) for i in range(8)))) for r in range(3)], pool.size
+            finally:
+                await pool.close()
+
+        waits, size = asyncio.run(rounds())
+    assert waits[0] > 0 and waits[1:] == [0, 0] and size == 2, (waits, size)
+
+
+def test_the_start_up_check_waits_for_a_server_busy_with_another_client(tmp_path):
+    """A one-session server held by another client for a second: the reset check waits env.capacity_wait_s as
+    the run's games do (it stopped the run with 'refuses reset'); still full after it, it names the key."""
+    from forge_rl.core.config import load_config
+    from forge_rl.rollout.env_client import EnvSession
+    from forge_rl.rollout.sessions import check_reset_args
+
+    with launch_local(BLACKJACK, max_concurrent_envs=1) as server:
+        async def check(wait_s: float):
+            other = EnvSession(server.url)
+            await other.reset(seed=1)
+            release = asyncio.get_running_loop().call_later(1.0, lambda: asyncio.ensure_future(other.close()))
+            cfg = load_config(ROOT / "configs" / "blackjack_tiny_cpu.yaml", [f"env.url={server.url}", f"env.capacity_wait_s={wait_s}"])
+            try:
+                await check_reset_args(server.url, cfg)
+            finally:
+                release.cancel()
+                await other.close()
+
+        asyncio.run(check(30))
+        with pytest.raises(ConfigError, match=r"^env\.capacity_wait_s: the server at .* stayed full for 0\.2 s"):
+            asyncio.run(check(0.2))
+
+
 def test_an_app_pointed_at_a_small_server_stops_before_launching_anything(tmp_path):
     """`env.url=...` on the command line over a config naming env.server: the URL wins; with
     env.queue_sessions=false a server with fewer sessions than a group's games stops the run at once,

@@ -107,6 +107,7 @@ class EnvSession:
         self.capacity_wait_s = capacity_wait_s
         self.reconnects = 0  # sessions rebuilt after a drop, over this object's life
         self.capacity_waits = 0  # times the server was full when this session asked for one
+        self.on_full = None  # called with the max_sessions each CAPACITY_REACHED reports (SessionPool.fit)
         self._conn: Connection | None = None
         self._reset_kwargs: dict[str, Any] | None = None  # None: no episode started
         self._actions: list[dict[str, Any]] = []
@@ -157,8 +158,10 @@ class EnvSession:
             try:
                 await self._connect()
                 return await self._send(kind, payload)
-            except EnvCapacityError:
+            except EnvCapacityError as e:
                 await self._discard()
+                if self.on_full is not None:
+                    self.on_full(e.max_sessions)
                 if time.monotonic() + delay > full_until:
                     raise
                 self.capacity_waits += 1

@@ -12,7 +12,7 @@ import urllib.request
 
 from forge_rl.core.config import ConfigError
 from forge_rl.core.errors import first_line
-from forge_rl.rollout.env_client import EnvError, EnvSession
+from forge_rl.rollout.env_client import EnvCapacityError, EnvError, EnvSession
 from forge_rl.rollout.wire import task_split_size
 
 logger = logging.getLogger(__name__)
@@ -23,17 +23,29 @@ class SessionPool:
     kept open and reused for one game after another (a WebSocket connection per game would cost more than
     the game); a session that raised out of a game is closed, not reused. Sized to what the server accepts
     (fit_sessions_to_server), a run never holds more sessions than that, so a one-session server serves a
-    whole run; a server full of another client's sessions is asked again for `capacity_wait_s`."""
+    whole run; a server full of another client's sessions is asked again for `capacity_wait_s`. A server that
+    says it holds fewer (CAPACITY_REACHED's max_sessions; one whose /health did not say) shrinks the pool to
+    that, a slot given up as each game holding one ends, so its games queue here instead of at the server."""
 
     def __init__(self, url: str, size: int, timeout_s: float, capacity_wait_s: float = 0.0):
         self.url, self.timeout_s, self.capacity_wait_s = url, timeout_s, capacity_wait_s
+        self.size, self.retiring = size, 0  # slots held; slots to give up as games end
         self.free: asyncio.Queue = asyncio.Queue()
         for _ in range(size):
             self.free.put_nowait(None)  # a slot without a session yet
 
+    def fit(self, max_sessions: int | None) -> None:
+        if max_sessions and max_sessions < self.size:
+            logger.warning("the server at %s holds %d sessions (CAPACITY_REACHED), fewer than the pool's %d: the pool holds %d",
+                           self.url, max_sessions, self.size, max_sessions)  # fmt: skip
+            self.retiring, self.size = self.retiring + self.size - max_sessions, max_sessions
+
     @contextlib.asynccontextmanager
     async def session(self):
-        session = await self.free.get() or EnvSession(self.url, timeout_s=self.timeout_s, capacity_wait_s=self.capacity_wait_s)
+        session = await self.free.get()
+        if session is None:
+            session = EnvSession(self.url, timeout_s=self.timeout_s, capacity_wait_s=self.capacity_wait_s)
+            session.on_full = self.fit
         try:
             yield session
         except BaseException:
@@ -41,7 +53,12 @@ class SessionPool:
             await broken.close()
             raise
         finally:
-            self.free.put_nowait(session)
+            if self.retiring:
+                self.retiring -= 1
+                if session is not None:
+                    await session.close()
+            else:
+                self.free.put_nowait(session)
 
     async def close(self) -> None:
         while not self.free.empty():
@@ -107,8 +124,8 @@ def task_split_sizes(url: str, cfg) -> dict[str, int]:
 async def check_reset_args(url: str, cfg) -> None:
     """Reset once with each set of arguments the run will send: env.reset_args (on the first task of
     env.task_split), then eval.reset_args over them (on each eval split). A server that refuses one (an
-    unknown task set, a bad option) stops the run here, before any engine starts, with one line naming the key
-    and the server's reason; otherwise every game would be lost to the same error, one group at a time."""
+    unknown task set, a bad option) stops the run before it trains (a running server's before any engine starts),
+    naming the key and the server's reason; otherwise every game would be lost to the same error, group by group."""
     def on_first_task(arguments: dict, split: str | None) -> dict:
         return {**arguments, "split": split, "index": 0} if split else arguments
 
@@ -116,9 +133,11 @@ async def check_reset_args(url: str, cfg) -> None:
     if cfg.eval.interval:
         evaluation = {**cfg.env.reset_args, **cfg.eval.reset_args}
         checks += [("eval.reset_args", on_first_task(evaluation, split)) for split in cfg.eval.splits]
-    async with EnvSession(url, timeout_s=cfg.env.timeout_s, restore="none") as session:
+    async with EnvSession(url, timeout_s=cfg.env.timeout_s, restore="none", capacity_wait_s=cfg.env.capacity_wait_s) as session:
         for key, arguments in checks:
             try:
                 await session.reset(seed=cfg.seed, **arguments)
+            except EnvCapacityError as e:  # another client's sessions fill it: no answer about the arguments
+                raise ConfigError(f"env.capacity_wait_s: the server at {url} stayed full for {cfg.env.capacity_wait_s:g} s: {first_line(e)}") from None
             except EnvError as e:
                 raise ConfigError(f"{key}: the server at {url} refuses reset({arguments}): {first_line(e)}") from None
