@@ -262,3 +262,15 @@ def test_fenced_blocks_call_the_tools_for_a_model_without_a_tool_format(tmp_path
     result = played(r, asks)
     assert [a["tool_name"] for _, _, a in result.turns] == ["run_python", "submit"] and result.reward == 1.0
     assert ":\n42\n" in r.tokenizer.decode(asks.prompts[1][len(asks.prompts[0]):])
+
+
+def test_the_code_tool_apps_evaluation_counts_calls_of_listed_tools_and_code_run_before_submitting():
+    """apps/coder/tools_task.py's eval_metrics: pass@1 and reward, the share of answers calling a listed tool (an unknown
+    tool's call and no call count against it) and of episodes that ran code before their submission."""
+    from apps.coder.tools_task import eval_metrics
+    from forge_rl.rollout.play import GameResult
+
+    run, submit, unknown = ({"type": "call_tool", "tool_name": n, "arguments": {"code": "1"}} for n in ("run_python", "submit", "nope"))
+    results = [GameResult([], 1.0, False, turns=[([], "", run), ([], "", submit)]), GameResult([], 0.0, True, turns=[([], "", None)]),
+               GameResult([], 0.5, False, turns=[([], "", unknown), ([], "", submit)])]  # fmt: skip
+    assert eval_metrics(results, {}) == {"eval/pass_at_1": 1 / 3, "eval/reward": 0.5, "eval/call_rate": 3 / 5, "eval/ran_before_submit": 1 / 3}
