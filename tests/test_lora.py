@@ -270,6 +270,32 @@ def test_generators_merge_the_adapters_they_receive_and_sample_the_trainers_poli
     assert all(size < full / 20 for size in sizes), (sizes, full)
 
 
+@pytest.mark.slow  # a compiled engine: over a minute to start on 2 cores
+def test_an_engine_that_is_not_eager_refuses_adapters_its_captured_forward_would_skip(tiny):
+    """LoRA is served in Python on each forward (lora_serving.py): a compiled (or, on GPUs, CUDA-graph) forward replays
+    what it captured before the adapters came, and would serve the base model as if it were the trained policy."""
+    from forge_rl.core.config import GeneratorConfig
+    from forge_rl.engines.vllm.generator import Generator
+    from forge_rl.weights import control
+
+    async def main():
+        await control.start()
+        generator, trainer = await asyncio.gather(
+            Generator.options(procs=1).as_actor(tiny, "float32", GeneratorConfig(max_model_len=256, gpu_memory_utilization=0.01, eager=False)),
+            Trainer.options(procs=1).as_actor(tiny, GRPOLoss(GRPOConfig(entropy_coef=0.0, loss_agg="token_mean")), OptimizerConfig(lr=3e-2),
+                                              lora=LoraConfig(rank=4), weight_sync="store"),
+        )
+        try:
+            await trainer.push_weights.call(1)
+            with pytest.raises(Exception, match="LoRA adapters are added to each layer's output in Python, which a compiled"):
+                await generator.update_weights.call(1)
+        finally:
+            await asyncio.gather(stop(generator), stop(trainer))
+            await control.stop()
+
+    asyncio.run(main())
+
+
 @pytest.mark.slow  # two trainer meshes, three processes: over a minute on 2 cores
 def test_lora_under_fsdp2_trains_as_one_rank_does(tiny):
     """trainer.procs 2 shards the base model and the adapters with FSDP2: the same batch gives the same loss

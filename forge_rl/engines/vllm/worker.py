@@ -130,6 +130,9 @@ class WeightSyncExtension:
         """LoRA: HF-named lora_A/lora_B tensors served unmerged beside the engine's base weights, which never
         change (lora_serving.py); copied in, so the caller may release `adapters` when this returns."""
         if getattr(self, "served_adapters", None) is None:
+            if not self.vllm_config.model_config.enforce_eager:  # a captured graph replays the forward without them
+                raise RuntimeError("LoRA adapters are added to each layer's output in Python, which a compiled or CUDA-graph forward "
+                                   "replays without: serve them from an eager engine (GeneratorConfig.eager true)")
             model = self.model_runner.get_model()
             self.served_adapters = ServedAdapters(model, adapters, self.vllm_config.model_config.dtype)
         return self.served_adapters.update(adapters, scale)
