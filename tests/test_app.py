@@ -129,7 +129,7 @@ def test_train_checkpoint_resume_and_ctrl_c(tmp_path):
     run_dir = tmp_path / "run"
     # eval.interval=7 > max_steps: the evaluation at step 5 is the one every run makes of its final policy,
     # and checkpoint_every=3: step 5's checkpoint is the one every run makes at its end. 3 workers for
-    # batches of 2 groups: each round leaves a group over, and which one is trained must not depend on timing.
+    # batches of 2 groups: the workers bound how many play at once, the batch how many are played.
     # A constant LR, so that run 2's longer max_steps leaves the schedule alone.
     same = ["synchronous=true", "eval.interval=7", "trainer.checkpoint_every=3", "rollout.num_workers=3",
             "sampling.temperature=0.7", "trainer.optimizer.schedule=constant"]
@@ -147,6 +147,7 @@ def test_train_checkpoint_resume_and_ctrl_c(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     for row in rows:  # synchronous is on-policy: every group of a step sampled by the weights it trains
         assert row["train/policy_age"] == 0, "a synchronous step trained on data of an older version"
+        assert row["buffer/evicted_stale"] == 0 and row["buffer/added"] == 2 * row["step"], "a group played for nothing"
         assert row["train/token_age_mean"] == 0 and row["train/token_age_p90"] == 0, "no trained token is older either"
         # ...so the PPO ratio is 1, at temperature 0.7 too (the trainer scores logits / temperature)
         assert abs(row["train/ratio_max"] - 1) < 1e-3, row["train/ratio_max"]
@@ -226,6 +227,16 @@ def test_sigterm_stops_like_ctrl_c(tmp_path):
     proc = app(run_dir, "trainer.max_steps=50", "eval.interval=0", "synchronous=false", sigint_ignored=True)  # rollouts overlap training
     wait_for_a_train_step(proc, run_dir, 1)
     stop_and_check_nothing_is_left(proc, signal.SIGTERM, shm_before)
+
+
+def test_asynchronous_workers_play_no_group_past_the_next_batch(tmp_path):
+    """8 rollout workers, batches of 2 groups: the groups held and playing make at most the next batch, so none
+    goes stale unused (before, every worker played on while a batch waited, and step 3 evicted 4 groups)."""
+    proc = app(tmp_path / "run", "synchronous=false", "trainer.max_steps=4", "eval.interval=0", "rollout.num_workers=8")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    last = [r for r in read_metrics(tmp_path / "run") if "train/loss" in r][-1]
+    assert last["step"] == 4 and last["buffer/evicted_stale"] == 0 and last["buffer/added"] - last["buffer/sampled"] <= 2, last
 
 
 def test_the_bars_time_estimate_leaves_out_the_first_steps_warm_up():

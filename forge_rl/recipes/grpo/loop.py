@@ -26,7 +26,7 @@ from forge_rl.recipes.grpo.learner import Learner
 from forge_rl.recipes.grpo.state import RunState
 from forge_rl.recipes.metrics import MetricsLogger, sample_line
 from forge_rl.rollout.evaluation import Evaluation, figures
-from forge_rl.rollout.rollouts import Rollouts
+from forge_rl.rollout.rollouts import Rollouts, gather_or_cancel
 from forge_rl.runtime.actor import call
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class InFlight:
     def __init__(self, max_age: int):
         self.max_age, self.started = max(max_age, 1), Counter()  # 0 would play one group at a time
         self.waits = 0  # times a worker began waiting for an old group to end (not how often it asked)
+        self.admission = asyncio.Lock()  # held by the rollout worker deciding whether to start a group
         self._waiting: set = set()  # the workers waiting now
 
     def admits(self, version: int, worker=None) -> bool:
@@ -87,23 +88,24 @@ class Job:
 
 
 async def rollout_worker(job: Job) -> None:
-    """Plays groups with whatever weights the policy serves now; waits only while a batch is ready.
+    """Plays groups with whatever weights the policy serves now; waits while the groups held and in flight
+    make the next batch: more would only go stale (evicted unused, buffer/evicted_stale) while taking the
+    trainer's CPU, so rollout.num_workers bounds concurrency and the batch sets the work.
 
     A game's error loses its group, counted, as in `collect_synchronously` (Rollouts.group, which stops
     the run after many in a row); any other error stops the run (next_batch sees the worker end).
     """
     while not job.stopping.is_set():
-        # Back-pressure: one batch waiting is enough; more would only go stale while taking the
-        # trainer's CPU (on a small machine they share it).
-        if (await job.buffer_stats())["groups"] >= job.cfg.grpo.batch_size:
+        async with job.in_flight.admission:  # one worker decides at a time, or all would see room for one more
+            busy = len(job.in_flight)  # read before the buffer: a group ending meanwhile is counted, not missed
+            room = (await job.buffer_stats())["groups"] + busy < job.cfg.grpo.batch_size
+            version = job.state.version
+            if admitted := room and job.in_flight.admits(version, worker=asyncio.current_task()):
+                seed, job.state.next_seed = job.state.next_seed, job.state.next_seed + 1
+                job.in_flight.start(version)
+        if not admitted:
             await asyncio.sleep(0.05)
             continue
-        version = job.state.version
-        if not job.in_flight.admits(version, worker=asyncio.current_task()):
-            await asyncio.sleep(0.05)
-            continue
-        seed, job.state.next_seed = job.state.next_seed, job.state.next_seed + 1
-        job.in_flight.start(version)
         try:
             group = await job.rollouts.group(seed)
             if group:
@@ -113,20 +115,26 @@ async def rollout_worker(job: Job) -> None:
 
 
 async def collect_synchronously(job: Job, filtered_at_step: int) -> list:
-    """A batch played with the current weights (the buffer keeps no data of an older version): rounds of
-    rollout.num_workers groups on consecutive seeds, added in seed order so that the batch is the same
-    whatever the timing."""
-    cfg, state, batch = job.cfg, job.state, []
+    """A batch played with the current weights (the buffer keeps no data of an older version): exactly the
+    groups it needs, on consecutive seeds, at most rollout.num_workers playing at once. A group lost or refused
+    for equal rewards is replaced by a next round of the groups still missing; each round's groups enter the
+    buffer in seed order, so the batch is the same whatever the timing."""
+    cfg, state, kept = job.cfg, job.state, 0
+    workers = asyncio.Semaphore(cfg.rollout.num_workers)  # FIFO: the seeds start in order
+
+    async def group(seed: int):
+        async with workers:
+            return await job.rollouts.group(seed)
+
     waiting_since = time.time()
-    while len(batch) < cfg.grpo.batch_size * cfg.grpo.group_size:
-        seeds = range(state.next_seed, state.next_seed + cfg.rollout.num_workers)
-        state.next_seed += cfg.rollout.num_workers
-        groups = [g for g in await asyncio.gather(*(job.rollouts.group(s) for s in seeds)) if g]
-        await call(job.buffer, "add_groups", groups, timeout_s=BUFFER_TIMEOUT_S)
-        batch = await call(job.buffer, "sample", state.version, timeout_s=BUFFER_TIMEOUT_S) or []
+    while kept < cfg.grpo.batch_size:
+        seeds = range(state.next_seed, state.next_seed + cfg.grpo.batch_size - kept)
+        state.next_seed = seeds.stop
+        groups = [g for g in await gather_or_cancel(group(s) for s in seeds) if g]
+        kept += sum(await call(job.buffer, "add_groups", groups, timeout_s=BUFFER_TIMEOUT_S))
         await check_groups_have_spread(job, filtered_at_step)
         waiting_since = await warn_if_stalled(job, waiting_since)
-    return batch
+    return await call(job.buffer, "sample", state.version, timeout_s=BUFFER_TIMEOUT_S)
 
 
 async def next_batch(job: Job, workers: list[asyncio.Task], filtered_at_step: int) -> list:
@@ -143,13 +151,14 @@ async def next_batch(job: Job, workers: list[asyncio.Task], filtered_at_step: in
 
 
 async def check_groups_have_spread(job: Job, filtered_at_step: int) -> None:
-    """Fail loud instead of sampling forever: with DAPO's filter, a collapsed policy (every game of every
-    group decided alike, so equal rewards) never fills a batch again."""
+    """Fail loud instead of sampling forever: with DAPO's filter, groups whose games all score alike (a policy
+    that decides them alike, or tasks all solved or all failed) may never fill a batch again."""
     filtered = (await job.buffer_stats())["filtered_zero_spread"] - filtered_at_step
     if filtered > 50 * job.cfg.grpo.batch_size:
         raise RuntimeError(
-            f"{filtered} groups since the last train step had equal rewards: the policy has collapsed (entropy near 0). "
-            "Raise grpo.entropy_coef or grpo.group_size, lower trainer.optimizer.lr, or set grpo.filter_zero_spread=false"
+            f"{filtered} groups since the last train step were refused for equal rewards (grpo.filter_zero_spread): every game "
+            "of a group scored alike, from a policy near determinism or tasks all solved or all failed. Raise "
+            "grpo.entropy_coef or grpo.group_size, lower trainer.optimizer.lr, or set grpo.filter_zero_spread=false"
         )
 
 
