@@ -48,7 +48,8 @@ def basic_strategy(obs):
 
 def test_health_names_the_environment(server):
     health = json.load(urllib.request.urlopen(f"{server.url}/health"))
-    assert health == {"status": "healthy", "environment": "BlackJackEnvironment", "max_concurrent_envs": MAX_SESSIONS}
+    assert health == {"status": "healthy", "environment": "BlackJackEnvironment", "max_concurrent_envs": MAX_SESSIONS,
+                      "openenv": "0.10.0"}
 
 
 def test_full_episodes_show_what_a_player_needs(server):
