@@ -274,3 +274,26 @@ def test_the_code_tool_apps_evaluation_counts_calls_of_listed_tools_and_code_run
     results = [GameResult([], 1.0, False, turns=[([], "", run), ([], "", submit)]), GameResult([], 0.0, True, turns=[([], "", None)]),
                GameResult([], 0.5, False, turns=[([], "", unknown), ([], "", submit)])]  # fmt: skip
     assert eval_metrics(results, {}) == {"eval/pass_at_1": 1 / 3, "eval/reward": 0.5, "eval/call_rate": 3 / 5, "eval/ran_before_submit": 1 / 3}
+
+
+def test_tool_choice_required_opens_every_answer_with_the_call_tag_given_in_the_prompt(tmp_path, server, scripted):
+    """sampling.tool_choice 'required' (a model that never samples <tool_call> itself, Qwen2.5-Coder-0.5B): each turn's
+    prompt ends with the tag, so the answer is the call's body, read as the call it completes; the tag is given, never
+    sampled nor trained (the loss mask holds only what the policy sampled). Refused for an app not played by calls."""
+    from forge_rl.core.config import ConfigError
+    from forge_rl.recipes.grpo.check import check_run
+    from forge_rl.rollout.tools import CALL_OPENING
+
+    r = tool_rollouts(tmp_path, scripted, server.url, "sampling.tool_choice=required")
+    bodies = [json.dumps({"name": name, "arguments": {"code": code}}) + "\n</tool_call>"
+              for name, code in [("run_python", "print(6*7)"), ("submit", SOLUTION)]]  # fmt: skip
+    asks = Scripted(r.tokenizer, bodies)
+    result = played(r, asks)
+    assert result.reward == 1.0 and [a["tool_name"] for _, _, a in result.turns] == ["run_python", "submit"]
+    opening = r.tokenizer(CALL_OPENING, add_special_tokens=False)["input_ids"]
+    assert [p[-len(opening):] for p in asks.prompts] == [opening, opening] and result.turns[0][1].startswith(CALL_OPENING)
+    (episode,) = result.episodes
+    sampled = [r.tokenizer(body, add_special_tokens=False)["input_ids"] + [r.tokenizer.eos_token_id] for body in bodies]
+    assert episode.tokens[episode.loss_mask.bool()].tolist() == sampled[0] + sampled[1]
+    with pytest.raises(ConfigError, match="sampling.tool_choice: 'required' opens answers"):
+        check_run(load_config(CONFIG, ["sampling.tool_choice=required"]), this_host=False)

@@ -57,8 +57,8 @@ class LocalServer:
         self.proc: subprocess.Popen | None = None
         self._log = tempfile.TemporaryFile()
 
-    def start(self, timeout_s: float = 60.0) -> "LocalServer":
-        """Start the process and wait for /health; raises with the server's log if it dies."""
+    def start(self, timeout_s: float = 60.0, wait: bool = True) -> "LocalServer":
+        """Start the process and wait for /health (`wait`; else `healthy()` does, within `timeout_s` of now)."""
         # module:Class goes through the generic launcher (which skips openenv's gradio import).
         module = ["forge_rl.envs", self.target] if ":" in self.target else [self.target]
         argv = [self.python, "-m", *module, "--host", "127.0.0.1", "--port", str(self.port)]
@@ -66,8 +66,12 @@ class LocalServer:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPOSITORY), env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         _RUNNING.add(self)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        self.timeout_s, self.deadline = timeout_s, time.monotonic() + timeout_s
+        return self.healthy() if wait else self
+
+    def healthy(self) -> "LocalServer":
+        """Wait until the server answers /health; raises with its log if it dies or start's timeout passes."""
+        while time.monotonic() < self.deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.target} exited with {self.proc.returncode}:\n{self.log()}")
             try:
@@ -77,7 +81,7 @@ class LocalServer:
             except OSError:
                 time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"{self.target} not healthy on {self.url} after {timeout_s:g} s:\n{self.log()}")
+        raise RuntimeError(f"{self.target} not healthy on {self.url} after {self.timeout_s:g} s:\n{self.log()}")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -112,23 +116,24 @@ def launch_local(
     env: dict[str, str] | None = None,
     timeout_s: float = 60.0,
     python: str | None = None,
+    wait: bool = True,
 ) -> LocalServer:
-    """Start `target` ('pkg.module:Class', or a module with a __main__) on 127.0.0.1; wait for /health.
+    """Start `target` ('pkg.module:Class', or a module with a __main__) on 127.0.0.1; wait for /health (`wait`).
     `python`: the server's interpreter (see server_python)."""
     extra = dict(env or {})
     if max_concurrent_envs is not None:
         extra["MAX_CONCURRENT_ENVS"] = str(max_concurrent_envs)
-    return LocalServer(target, port or free_port(), extra, python).start(timeout_s)
+    return LocalServer(target, port or free_port(), extra, python).start(timeout_s, wait)
 
 
 def env_url(url: str | None = None, server: str | None = None, max_concurrent: int | None = None,
-            python: str | None = None, env: dict[str, str] | None = None) -> tuple[str, LocalServer | None]:
+            python: str | None = None, env: dict[str, str] | None = None, wait: bool = True) -> tuple[str, LocalServer | None]:
     """A config's env section -> (URL to connect to, the server launched for it, with `env` added to its
-    environment variables, or None)."""
+    environment variables, or None). `wait=False`: the server's `healthy()` waits for it."""
     if (url is None) == (server is None):
         raise ValueError("env: set exactly one of url (a running server) or server (module:Class)")
     if url is not None:
         return url, None
     # generous: on a loaded machine importing openenv alone takes tens of seconds
-    local = launch_local(server, max_concurrent_envs=max_concurrent, env=env, timeout_s=180, python=python)
+    local = launch_local(server, max_concurrent_envs=max_concurrent, env=env, timeout_s=180, python=python, wait=wait)
     return local.url, local

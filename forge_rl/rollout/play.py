@@ -20,7 +20,7 @@ from forge_rl.core.episode import EpisodeRecord
 from forge_rl.core.rewards import checked_reward
 from forge_rl.core.types import Episode
 from forge_rl.rollout.segments import end_of_turn
-from forge_rl.rollout.tools import is_tool_result, tool_result_text, tools_in_system
+from forge_rl.rollout.tools import CALL_OPENING, is_tool_result, parse_tool_call, tool_result_text, tools_in_system
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,10 @@ async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict |
     async with rollouts.sessions.session() as session:
         observation = (await timed("env", session.reset(seed=seed, **(reset_args or cfg.env.reset_args)))).observation
         template = cfg.model.chat_template_kwargs
-        prompt = prompt_ids(app, tokenizer, observation, True, template_kwargs=template)
+        # sampling.tool_choice "required": each answer opens with the call's tag, given as the prompt's end
+        opening = CALL_OPENING if cfg.sampling.tool_choice == "required" and app.parse_action is parse_tool_call else ""
+        opening_ids = tokenizer(opening, add_special_tokens=False)["input_ids"] if opening else []
+        prompt = prompt_ids(app, tokenizer, observation, True, template_kwargs=template) + opening_ids
         record, invalid, overflowed, turns = EpisodeRecord(), False, False, []
         previous = None  # (prompt ids, answer ids) of the last turn, for the group's shared requests
         for turn in range(cfg.rollout.max_turns):
@@ -170,7 +173,7 @@ async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict |
                 break
             if turn:
                 unclosed = record.token_ids[-1] != end_of_turn(tokenizer)[1]
-                prompt = prompt_ids(app, tokenizer, observation, False, unclosed, template)
+                prompt = prompt_ids(app, tokenizer, observation, False, unclosed, template) + opening_ids
             # vLLM refuses a prompt of max_model_len tokens (tool outputs can grow one past it): the game is cut
             # off there, as at max_turns, its earlier turns kept
             if overflowed := len(record.token_ids) + len(prompt) >= cfg.generator.max_model_len:
@@ -179,8 +182,8 @@ async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict |
             completion = await timed("policy", asks.answer(list(record.token_ids), previous))
             previous = (tuple(completion.prompt_ids), tuple(completion.token_ids))
             record.add_completion(completion)
-            action = app.parse_action(completion.text, observation)
-            turns.append((prompt, completion.text, action))
+            action = app.parse_action(opening + completion.text, observation)
+            turns.append((prompt, opening + completion.text, action))
             if action is None:
                 invalid = True
                 break

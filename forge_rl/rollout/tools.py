@@ -39,6 +39,9 @@ HERMES_TOOLS = (
 )
 
 
+CALL_OPENING = "<tool_call>\n"  # how a Hermes call opens: sampling.tool_choice "required" writes it (play.py)
+
+
 async def list_tools(url: str, timeout_s: float) -> list[dict[str, Any]]:
     """The server's tools as MCP lists them: [{"name", "description", "inputSchema"}, ...]."""
     connection = await Connection(url, timeout_s).open()

@@ -137,9 +137,9 @@ async def call(actor, endpoint: str, *args, timeout_s: float, **kwargs):
 
 
 async def start_all(*launches):
-    """Await launches (`as_actor` / `as_service` calls; one may return None) together and return what
-    they started. If any fails, stop every one that did start, then raise the first error: a failed
-    start leaves no process behind."""
+    """Await launches (`as_actor` / `as_service` calls; any other awaitable is awaited alongside, its result
+    returned as it is) together and return what they gave. If any fails, stop every actor that did start,
+    then raise the first error: a failed start leaves no process behind."""
     started = await asyncio.gather(*launches, return_exceptions=True)
     failed = [x for x in started if isinstance(x, BaseException)]
     if failed:

@@ -51,12 +51,32 @@ def load_config(path: str | Path, overrides: list[str] = (), schema: type = RunC
         raise ConfigError(f"{key}: {first_line(e)} {where}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
+    given = frozenset(_dotted_keys(data))
+    fitted = _fit_defaults(data, given, getattr(schema, "FITTED_DEFAULTS", {}))
     try:
         cfg = _to_dataclass(schema, data, "")
     except ConfigError as e:
         raise ConfigError(f"{e} {where}") from None
-    cfg.keys_given = frozenset(_dotted_keys(data))
+    cfg.keys_given, cfg.defaults_fitted = given, fitted
     return cfg
+
+
+def _fit_defaults(data: dict, given: frozenset, table: dict) -> dict[str, dict]:
+    """Into `data`, the defaults of each kind of config it is (table: kind -> (the section.key whose being set makes
+    it one, {key: default})), for the keys it did not give; returns kind -> {key: default} of those taken."""
+    fitted = {}
+    for kind, (when, defaults) in table.items():
+        head, name = when.split(".")
+        if not isinstance(data.get(head), dict) or data[head].get(name) is None:
+            continue
+        for key, value in defaults.items():
+            *parents, name = key.split(".")
+            section = data
+            for part in parents:
+                section = section.setdefault(part, {})
+            if key not in given and isinstance(section, dict):  # else the schema names what is wrong with it
+                section[name] = fitted.setdefault(kind, {})[key] = value
+    return fitted
 
 
 def _dotted_keys(data: dict, prefix: str = "") -> list[str]:

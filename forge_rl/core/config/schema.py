@@ -1,8 +1,9 @@
 """The config's schema: one dataclass per section, each with `check` stating which values are possible.
 
-Defaults are neutral, tuned for no app or model; each config in configs/ states its tuned values, and its comments
-explain each key to users. The learning rate's default is the tiny model's: with model.path set, the check
-(recipes/grpo/check.py) refuses a config without one, and names the model-dependent keys it takes from here.
+Defaults are neutral, tuned for no app or model, but for the keys a kind of config needs otherwise (a dataset task, a
+pretrained model: RunConfig.FITTED_DEFAULTS); each config in configs/ states its tuned values, and its comments explain
+each key to users. The learning rate's default is the tiny model's: with model.path set, the check
+(recipes/grpo/check.py) refuses a config without one.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ class SamplingConfig:
     # A turn's answer ends once its text contains one of these (kept in the text; every sampled id is trained):
     # e.g. "\n```\n" ends a code block (and a bare opening fence). Matched on the text, whatever the tokens
     stop: list[str] = field(default_factory=list)
+    # "required": an MCP-tools app's every answer is a tool call, opened with its format's tag (rollout/tools.py) put
+    # at the end of the prompt: a forced prefix, constrained decoding the trainer mirrors by construction (those ids
+    # are never sampled nor trained). For a model that never samples the tag itself; OpenAI's tool_choice, in effect.
+    tool_choice: Literal["auto", "required"] = "auto"
 
     def check(self, key):
         """The one rule that keeps behaviour and trained log-probs of the same distribution: the
@@ -91,6 +96,7 @@ class OptimizerConfig:
         check_non_negative(self, key, "weight_decay", "warmup_steps")
 
 
+LORA_RANK = 16  # a pretrained model's LoRA unless its config says otherwise (RunConfig.FITTED_DEFAULTS)
 LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # HF names
 
 
@@ -295,8 +301,21 @@ class RunConfig:
     chat: ChatConfig = field(default_factory=ChatConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    # Set by load_config: the dotted keys the file and the overrides gave; every other key took its default here
+    # Set by load_config: the dotted keys the file and the overrides gave; every other key took its default, the
+    # fitted ones (kind -> {key: value}) from FITTED_DEFAULTS
     keys_given: ClassVar[frozenset] = frozenset()
+    defaults_fitted: ClassVar[dict] = {}
+    # Defaults that fit what a config is, for the keys it leaves out; the check prints those a run takes. A dataset
+    # task is one question and one answer, an answer without a parse as wrong as a wrong one. A pretrained model's
+    # first run on 2 CPU cores: a short answer, a step of seconds for a 135M model (4 prompts x 8 answers, one
+    # forward), LoRA at the rank the learning rate's error names (recipes/grpo/check.py), and no decay to 0 over a
+    # first run, which is short and may be continued (resume with more steps).
+    FITTED_DEFAULTS: ClassVar[dict] = {
+        "a dataset task (env.dataset)": ("env.dataset", {"rollout.max_turns": 1, "rollout.invalid_action_penalty": 0.0}),
+        "a pretrained model (model.path)": ("model.path", {
+            "sampling.max_tokens": 16, "grpo.group_size": 8, "grpo.batch_size": 4, "trainer.micro_batch_size": 32,
+            "trainer.lora": {"rank": LORA_RANK}, "trainer.optimizer.schedule": "constant"}),
+    }
 
     def check(self, key):
         roles = {"trainer": self.trainer.hosts, "generator": self.generator.hosts, "reference": self.reference.hosts}

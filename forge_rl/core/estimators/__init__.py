@@ -1,23 +1,9 @@
-"""Advantage estimation, one module per estimator, chosen by name (`grpo.estimator`); each module's ESTIMATOR
-says how it makes advantages and which loss its paper trains them with (estimator.py). The table, with each
-one's expected update and the test that proves it: docs/estimators.md.
-
-| name           | baseline of a rollout's reward             | loss (aggregation, ratio, policy loss)       |
-|----------------|--------------------------------------------|----------------------------------------------|
-| `grpo`         | group mean, divided by the group's std     | seq_mean, token, clip                        |
-| `dr_grpo`      | group mean                                 | token_sum (over max_tokens), token, clip     |
-| `rloo`         | mean of the group's OTHER rewards          | seq_sum, token, clip                         |
-| `reinforce_pp` | group mean, then standardised over the batch | token_mean, token, clip                    |
-| `ppo`          | a learned value of each turn's state, GAE  | token_mean, token, clip                      |
-| `gspo`         | as grpo                                    | seq_mean, sequence, clip (3e-4, 4e-4)        |
-| `cispo`        | as grpo                                    | token_mean, token, cispo                     |
-| `sapo`         | as grpo                                    | seq_mean, token, sapo                        |
-
-On top of any group estimator: `grpo.turn_credit` (turn_credit.py, GiGPO's per-turn comparison, sound),
-`grpo.overlong_buffer` (DAPO's soft penalty on answers near max_tokens, a shaping of the reward),
-`grpo.kl_in_reward` (the KL to the reference as a per-token penalty in the return) and
-`grpo.centre_per_answer` (centring.py, a change of objective). A new estimator is a new module and a line in
-ESTIMATORS. Advantages are always per token, and computed once per batch (core/objective.py).
+"""Advantage estimation, one module per estimator, chosen by name (`grpo.estimator`): each module's ESTIMATOR
+says how it makes advantages and which loss its paper trains them with (estimator.py); the table, with each
+one's expected update and the test that proves it, is docs/estimators.md. On top of any group estimator:
+`grpo.turn_credit` (turn_credit.py, GiGPO's per-turn comparison), `grpo.overlong_buffer` (DAPO's soft penalty
+near max_tokens, a shaping of the reward), `grpo.kl_in_reward` (the KL as a per-token penalty in the return),
+`grpo.centre_per_answer` (centring.py, a change of objective). Advantages are per token, made once a batch.
 """
 
 from __future__ import annotations

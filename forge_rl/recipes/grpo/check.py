@@ -17,7 +17,7 @@ import sys
 from urllib.parse import urlsplit
 
 from forge_rl.core.app import App, load_app
-from forge_rl.core.config import ConfigError, RunConfig
+from forge_rl.core.config import LORA_RANK, ConfigError, RunConfig
 from forge_rl.core.errors import first_line
 from forge_rl.envs import local, rows
 from forge_rl.models import model_kind
@@ -28,6 +28,9 @@ def check_run(cfg: RunConfig, this_host: bool = True) -> App:
     """Every check, in the order a run would meet the problem; the checked app for the run to use.
     `this_host=False` leaves out what depends on the host it runs on (its GPUs, W&B's key)."""
     app = load_app(cfg.app_module, cfg.sampling.constrained, dataset=cfg.env.dataset is not None)
+    if cfg.sampling.tool_choice == "required" and not (app.uses_tools and app.parse_action is None and not app.is_agent):
+        raise ConfigError(f"sampling.tool_choice: 'required' opens answers with a tool call's tag, for an app with MCP_TOOLS "
+                          f"whose calls forge_rl reads; {cfg.app_module} is not one: set it to 'auto'")
     check_env(cfg.env.server, cfg.env.url, cfg.env.server_python)
     check_dataset(cfg)
     check_model(cfg, app)
@@ -36,29 +39,14 @@ def check_run(cfg: RunConfig, this_host: bool = True) -> App:
         check_gpus(cfg)
     for key, why in inert_keys(cfg):
         print(f"warning: {key}: {why}", file=sys.stderr)
-    for key, value in defaults_taken(cfg):
-        print(f"warning: {key}: left out, so {value} (the schema's neutral default, not tuned for {cfg.model.path}): "
-              "state it in the config", file=sys.stderr)
+    for kind, taken in cfg.defaults_fitted.items():
+        values = ", ".join(f"{key} {value}".replace("'", "") for key, value in taken.items())
+        print(f"defaults for {kind}: {values} (state a key to change it)", file=sys.stderr)
     return app
 
 
-# Keys whose good value depends on the model and the app. The schema's defaults for them are neutral, tuned for
-# no model (core/config/schema.py); each config in configs/ states its own.
-MODEL_DEPENDENT_KEYS = ("sampling.max_tokens", "grpo.entropy_coef", "trainer.micro_batch_size", "trainer.lora")
-
-
-def defaults_taken(cfg: RunConfig) -> list[tuple[str, str]]:
-    """(key, value as YAML writes it) of each MODEL_DEPENDENT_KEYS a pretrained model's run (model.path set)
-    takes from the schema's defaults: said at the start, not refused."""
-    if cfg.model.path is None:
-        return []
-    taken = []
-    for key in MODEL_DEPENDENT_KEYS:
-        if key not in cfg.keys_given:
-            section, name = key.split(".")
-            value = getattr(getattr(cfg, section), name)
-            taken.append((key, "null" if value is None else str(value)))
-    return taken
+# Tokens a short answer takes beside the dataset's answer: a few words ("3 + 4 = ") and the end-of-turn token.
+ROOM_BESIDE_THE_ANSWER = 8
 
 
 def inert_keys(cfg: RunConfig) -> list[tuple[str, str]]:
@@ -115,6 +103,10 @@ def check_dataset(cfg: RunConfig) -> None:
     for key, split in [("env.task_split", env.task_split)] + [("eval.task_split", s) for s in cfg.eval.splits]:
         if split is not None and split not in splits:
             raise ConfigError(f"{key}: {split!r} is not a split of {env.dataset} (it has: {', '.join(splits)})")
+    fitted = next((taken for taken in cfg.defaults_fitted.values() if "sampling.max_tokens" in taken), None)
+    answers = [len(str(row["answer"])) for rows_of_split in splits.values() for row in rows_of_split if "answer" in row]
+    if fitted is not None and answers:  # the rows say how long an answer is (characters: at least its tokens)
+        cfg.sampling.max_tokens = fitted["sampling.max_tokens"] = max(answers) + ROOM_BESIDE_THE_ANSWER
 
 
 def check_model(cfg: RunConfig, app: App) -> None:
@@ -131,7 +123,9 @@ def check_model(cfg: RunConfig, app: App) -> None:
         if "trainer.optimizer.lr" not in cfg.keys_given:
             raise ConfigError(
                 f"trainer.optimizer.lr: not set, and its default {cfg.trainer.optimizer.lr:g} is the tiny model's: state the "
-                f"learning rate for {cfg.model.path} (about 1e-6 to fully fine-tune a 1-2B model, 1e-5 to 1e-4 with trainer.lora)"
+                f"learning rate for {cfg.model.path}: with LoRA (trainer.lora.rank {LORA_RANK}, a pretrained model's default) about "
+                "3e-4 for a model of 100-500M parameters (configs/*_smollm2_cpu.yaml), 1e-5 to 1e-4 for 1-2B; fully fine-tuned "
+                "(trainer.lora: null) about 1e-6 for 1-2B"
             )
         return
     from forge_rl.models.tiny import hf_tokenizer

@@ -26,8 +26,6 @@ from forge_rl.buffer.replay_buffer import ReplayBufferActor
 from forge_rl.core.app import App
 from forge_rl.core.config import ConfigError, RunConfig, dump, parse_cli
 from forge_rl.core.objective import GRPOLoss
-from forge_rl.engines.titan.reference import ReferenceModel
-from forge_rl.engines.titan.trainer import Trainer
 from forge_rl.engines.vllm.generator import Generator, catch_up
 from forge_rl.envs.local import env_url
 from forge_rl.envs.rows import server_variables
@@ -53,13 +51,11 @@ logger = logging.getLogger("forge_rl.grpo")
 EXIT_GRACE_S = 60.0  # the longest the interpreter may take to exit after the run has stopped
 
 
-async def start(cfg: RunConfig, app: App, url: str) -> Job:
-    """Every component of the run, started and wired; one that fails to start stops the others."""
-    from transformers import AutoTokenizer
-
+async def start(cfg: RunConfig, app: App, url: str, checked=None) -> Job:
+    """Every component of the run, started and wired; one that fails to start stops the others. The actors start
+    first, the policy's engine (the longest to start) before all, while `checked` (main.py `environment`, None: as
+    given) is awaited for the config, app and task splits of the environment at `url`."""
     model_path = resolve_model(cfg.model.path, cfg.model.dtype, Path(cfg.run_dir) / "tiny_model", cfg.model.tiny_seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    allowed = answer_token_ids(app, tokenizer) if cfg.sampling.constrained else None
     hosts = {"trainer": cfg.trainer.hosts, "generator": cfg.generator.hosts}
     with_reference = cfg.grpo.kl_coef > 0 and cfg.trainer.lora is None  # under LoRA the trainer's base model is it
     if with_reference:
@@ -74,15 +70,29 @@ async def start(cfg: RunConfig, app: App, url: str) -> Job:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     logger.info("weight sync: %s (generator.weight_sync: %s)", sync.kind, cfg.generator.weight_sync)
-    await control.start()
+    launching_policy = asyncio.ensure_future(Generator.replicas(cfg.generator, gpus, hosts=cfg.generator.hosts, role="generator").as_service(
+        # LoRA adapters are added to each layer's output in Python, which a CUDA-graph replay skips
+        model_path, cfg.model.dtype, dataclasses.replace(cfg.generator, eager=True) if cfg.trainer.lora else cfg.generator, cfg.seed
+    ))
+    def load_tokenizer():  # and the trainer's modules (torchtitan imports for seconds): on a thread, the loop launching the policy
+        import forge_rl.engines.titan.reference, forge_rl.engines.titan.trainer  # noqa: F401, E401
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_path)
+
+    try:
+        tokenizer = await asyncio.to_thread(load_tokenizer)
+        allowed = answer_token_ids(app, tokenizer) if cfg.sampling.constrained else None
+    except BaseException as e:  # the policy started meanwhile is stopped
+        await start_all(launching_policy, _raise(e))
+    from forge_rl.engines.titan.reference import ReferenceModel
+    from forge_rl.engines.titan.trainer import Trainer
+
     # How the trainer and the reference score a batch, given to both: the generator's sampling distribution
     # (restriction and temperature) and the trainer's micro-batches.
     scoring = {"allowed_token_ids": allowed, "temperature": cfg.sampling.temperature, "micro_batch_size": cfg.trainer.micro_batch_size}
-    policy, trainer, buffer, reference = await start_all(
-        Generator.replicas(cfg.generator, gpus, hosts=cfg.generator.hosts, role="generator").as_service(
-            # LoRA adapters are added to each layer's output in Python, which a CUDA-graph replay skips
-            model_path, cfg.model.dtype, dataclasses.replace(cfg.generator, eager=True) if cfg.trainer.lora else cfg.generator, cfg.seed
-        ),
+    policy, trainer, buffer, reference, _, (cfg, app, num_tasks) = await start_all(
+        launching_policy,
         Trainer.options(procs=cfg.trainer.procs, with_gpus=gpus, hosts=cfg.trainer.hosts, role="trainer").as_actor(
             model_path, GRPOLoss(cfg.grpo, cfg.sampling.max_tokens), cfg.trainer.optimizer, optimizer_steps(cfg), cfg.model.dtype,
             weight_sync=sync.kind, lora=cfg.trainer.lora, **scoring,
@@ -92,7 +102,9 @@ async def start(cfg: RunConfig, app: App, url: str) -> Job:
         ),
         ReferenceModel.options(
             num_replicas=cfg.reference.num_replicas, with_gpus=gpus, hosts=cfg.reference.hosts, role="reference"
-        ).as_service(model_path, cfg.model.dtype, **scoring) if with_reference else _none(),
+        ).as_service(model_path, cfg.model.dtype, **scoring) if with_reference else _ready(),
+        control.start(),
+        checked or _ready((cfg, app, {})),
     )
     # A restarted generator loads the current weights before taking calls; under broadcast it first forms
     # a new group with the trainer, which sends them to it.
@@ -105,6 +117,7 @@ async def start(cfg: RunConfig, app: App, url: str) -> Job:
             broadcast.rejoin, trainer=trainer, procs=cfg.generator.procs, rendezvous=sync.rendezvous, binds=sync.binds, trainer_host=sync.trainer_host
         )
     rollouts = Rollouts(cfg, app, tokenizer, policy, url, allowed)
+    rollouts.num_tasks = num_tasks
     return Job(
         cfg=cfg,
         state=RunState(next_seed=cfg.seed * 1_000_000),
@@ -118,13 +131,30 @@ async def start(cfg: RunConfig, app: App, url: str) -> Job:
     )
 
 
+async def environment(cfg: RunConfig, app: App, url: str, local_server) -> tuple:
+    """The environment's server up and checked: (the config with the sessions it accepts, the app with its tools,
+    its task splits' sizes); each refusal a ConfigError naming the key."""
+    if local_server is not None:
+        await asyncio.to_thread(local_server.healthy)
+    if cfg.env.url is not None:  # a running server: the session pool never holds more sessions than it accepts
+        size = fit_sessions_to_server(url, cfg.env.max_concurrent, cfg.grpo.group_size, cfg.env.timeout_s, cfg.env.queue_sessions)
+        cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, max_concurrent=size))
+    num_tasks = task_split_sizes(url, cfg)  # a split the server lacks stops the run, naming the key
+    await check_reset_args(url, cfg)  # so do reset arguments it refuses
+    return cfg, await with_tools(app, url, cfg.env.timeout_s), num_tasks  # MCP_TOOLS: the server's tools, listed once
+
+
 def optimizer_steps(cfg: RunConfig) -> int:
     """The LR schedule's length: every batch takes grpo.epochs x grpo.minibatches optimizer steps."""
     return cfg.trainer.max_steps * cfg.grpo.epochs * cfg.grpo.minibatches
 
 
-async def _none() -> None:
-    return None
+async def _ready(value=None):
+    return value
+
+
+async def _raise(error: BaseException):
+    raise error
 
 
 async def shutdown(job: Job | None) -> None:
@@ -162,19 +192,16 @@ async def main(cfg: RunConfig) -> None:
     print(f"logs of every process (vLLM, Monarch): {run_dir / 'run.log'}")
     try:
         dataset = cfg.env.dataset and server_variables(cfg.env.dataset, cfg.app_module, cfg.env.test_fraction, cfg.env.reward_timeout_s)
-        url, local_server = env_url(cfg.env.url, cfg.env.server, cfg.env.max_concurrent, cfg.env.server_python, dataset)
+        url, local_server = env_url(cfg.env.url, cfg.env.server, cfg.env.max_concurrent, cfg.env.server_python, dataset, wait=False)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
     job = None
     try:
-        if cfg.env.url is not None:  # a running server: the session pool never holds more sessions than it accepts
-            size = fit_sessions_to_server(url, cfg.env.max_concurrent, cfg.grpo.group_size, cfg.env.timeout_s, cfg.env.queue_sessions)
-            cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, max_concurrent=size))
-        num_tasks = task_split_sizes(url, cfg)  # a split the server lacks stops here, naming the key
-        await check_reset_args(url, cfg)  # so do reset arguments it refuses
-        app = await with_tools(app, url, cfg.env.timeout_s)  # MCP_TOOLS: the server's tools, listed once
-        job = await start(cfg, app, url)
-        job.rollouts.num_tasks = num_tasks
+        checked = environment(cfg, app, url, local_server)
+        if local_server is None:  # a running server answers at once: what it refuses stops the run before any engine starts
+            checked = _ready(await checked)
+        job = await start(cfg, app, url, checked)
+        cfg = job.cfg
         if cfg.resume:
             job.state = await resume(job.learner.trainer, cfg.run_dir, cfg.trainer.timeout_s)
             job.metrics.drop_after(job.state.step)  # the rows of steps after the checkpoint are logged again
