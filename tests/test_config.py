@@ -107,7 +107,6 @@ def write(tmp_path, text):
         (["trainer.lora={rank: 8, dropout: 0.1}"], r"trainer\.lora\.dropout: expected 0 \(dropout makes the trainer's log-probs random\), got 0\.1"),
         (["grpo.self_imitation.episodes=-1"], r"grpo\.self_imitation\.episodes: expected >= 0"),
         (["grpo.self_imitation.capacity=0"], r"grpo\.self_imitation\.capacity: expected > 0"),
-        (["grpo.centre_per_answer=true", "sampling.constrained=false"], r"grpo\.centre_per_answer: centres each answer token, so it needs sampling\.constrained true"),
         (["grpo.entropy_floor=1.0", "grpo.entropy_coef=0"], r"grpo\.entropy_floor: 1\.0 holds the entropy up with the bonus, but entropy_coef is 0"),
         (["eval.samples=4", "eval.pass_k=[1,8]"], r"eval\.pass_k: 8 is not between 1 and eval\.samples \(4\)"),
         (["eval.samples=4", "eval.pass_k=[0]"], r"eval\.pass_k: 0 is not between 1 and eval\.samples \(4\)"),
@@ -138,7 +137,7 @@ def test_eval_task_split_is_a_split_or_a_list_and_pass_k_defaults_to_1_and_sampl
 
 
 def test_ppo_needs_no_group():
-    cfg = load_config(TINY, ["grpo.estimator=ppo", "grpo.group_size=1", "grpo.turn_credit=0", "grpo.centre_per_answer=false"])
+    cfg = load_config(TINY, ["grpo.estimator=ppo", "grpo.group_size=1", "grpo.turn_credit=0"])
     assert (cfg.grpo.group_size, cfg.grpo.gamma, cfg.grpo.gae_lambda, cfg.grpo.value_coef) == (1, 1.0, 1.0, 0.1)
 
 

@@ -1,5 +1,4 @@
-"""Advantage estimators (forge_rl/core/estimators/): numbers worked out by hand, and what centring does to a
-bandit's expected update. Every estimator's expected update against the exact gradient, through the whole
+"""Advantage estimators (forge_rl/core/estimators/): numbers worked out by hand. Every estimator's expected update against the exact gradient, through the whole
 training path: tests/test_exact_gradient.py."""
 
 import math
@@ -75,75 +74,6 @@ def test_turn_credit_is_scaled_as_the_episode_term_is():
 def test_unknown_estimator_is_refused_by_the_registry():
     with pytest.raises(KeyError):
         estimate(one_turn([1.0, 0]), GRPOConfig(estimator="ppo2"))
-
-
-# ------------------------------------------------------------------------------------------- centring's update
-# A tabular softmax policy; an episode's tokens are [state, answer]. The sampled update of one batch is
-# sum_i A_i (onehot(a) - pi(.|s)), the REINFORCE form of what the loss differentiates at ratio 1.
-
-BANDIT_STATES = 4
-MARGINS = torch.tensor([0.1, 0.4, 0.8, 1.2])  # answer 1 is better than answer 0 in every state, by these
-BASE = torch.tensor([-0.5, 0.3, -0.2, 0.6])
-ANSWER_IDS = (10, 11)
-
-
-def bandit_batches(logits: torch.Tensor, n_batches: int, group_size: int, seed: int):
-    """Batches of one group per state; rewards r(s, 0) = BASE[s], r(s, 1) = BASE[s] + MARGINS[s] plus noise."""
-    g = torch.Generator().manual_seed(seed)
-    probs = logits.softmax(-1)
-    for _ in range(n_batches):
-        batch = []
-        for s in range(BANDIT_STATES):
-            actions = torch.multinomial(probs[s], group_size, replacement=True, generator=g)
-            noise = 0.3 * torch.randn(group_size, generator=g)
-            for a, e in zip(actions.tolist(), noise.tolist()):
-                reward = float(BASE[s] + MARGINS[s] * a) + e
-                batch.append(Episode(torch.tensor([s, ANSWER_IDS[a]]), torch.tensor([0, 1]), torch.zeros(2), reward, 0, f"s{s}"))
-        yield batch
-
-
-def sampled_bandit_update(config: GRPOConfig, logits: torch.Tensor, n_batches: int = 600, group_size: int = 4) -> torch.Tensor:
-    probs, update = logits.softmax(-1), torch.zeros_like(logits)
-    for batch in bandit_batches(logits, n_batches, group_size, seed=0):
-        for e, a in zip(batch, estimate(batch, config)):
-            s, answer = int(e.tokens[0]), ANSWER_IDS.index(int(e.tokens[1]))
-            update[s] += float(a[1]) * (torch.nn.functional.one_hot(torch.tensor(answer), 2) - probs[s])
-    return update / n_batches
-
-
-def exact_bandit_gradient(logits: torch.Tensor) -> torch.Tensor:
-    """d/dlogits of E_s E_a~pi(.|s) r(s, a), states uniform: pi_s * (r_s - pi_s . r_s) / states."""
-    probs = logits.softmax(-1)
-    r = torch.stack([BASE, BASE + MARGINS], -1)  # [S, 2]
-    return probs * (r - (probs * r).sum(-1, keepdim=True)) / BANDIT_STATES
-
-
-LOGITS = torch.tensor([[0.3, -0.2], [-0.4, 0.1], [0.0, 0.5], [0.6, 0.0]])
-
-
-def test_per_answer_centring_pushes_the_smallest_margin_state_toward_the_worse_answer():
-    """What centring does (a change of objective, estimators/centring.py): answer 1 is better everywhere, yet
-    in the state where it wins by less than its average margin the update prefers answer 0."""
-    update = sampled_bandit_update(GRPOConfig(estimator="dr_grpo", centre_per_answer=True), LOGITS)
-    exact = exact_bandit_gradient(LOGITS)
-    assert float(update[0] @ exact[0]) < 0 and update[0, 1] < 0, update[0].tolist()
-    assert update[3, 1] > 0  # the largest margin still goes the right way
-
-
-def test_centring_sees_only_the_tokens_max_token_age_leaves_in_the_loss():
-    """The objective narrows the mask first: a token sampled too long ago is neither trained nor counted in
-    its answer's batch mean. Answer 2 in three games, rewards [1, 0, 0] (Dr.GRPO [2/3, -1/3, -1/3]); the first
-    game's answer is two versions old and max_token_age 1 drops it: the mean is over the other two, -1/3."""
-    from forge_rl.core.objective import GRPOLoss
-
-    batch = one_turn([1.0, 0, 0])
-    batch[0].token_versions = torch.tensor([-1, 0])
-    for e in batch[1:]:
-        e.token_versions = torch.tensor([-1, 2])
-    objective = GRPOLoss(GRPOConfig(centre_per_answer=True, max_token_age=1))
-    data, _ = objective.batch_data(batch, objective.masks(batch, trained_version=2))
-    assert data["mask"][:, 1].tolist() == [0.0, 1.0, 1.0]
-    close(data["advantages"][1:, 1], [0.0, 0.0])
 
 
 def answer_of(length: int, reward: float, truncated: bool) -> Episode:

@@ -75,7 +75,7 @@ class GRPOLoss:
         mean_entropy: float | None = None, ref_logprobs: list[torch.Tensor] | None = None,
     ) -> tuple[dict, dict[str, float]]:
         """What every optimizer step of `batch` trains with, fixed before the first: [B, T] "mask" and
-        "advantages" (centring sees only the tokens trained); with a value head (`values`: each episode's [T]
+        "advantages"; with a value head (`values`: each episode's [T]
         under the weights before the batch's updates, trainer `score_batch`) the old "values", the value
         targets "returns" and "value_mask"; with an entropy floor the batch's `mean_entropy` under those
         weights; with kl_in_reward `ref_logprobs`, each episode's [T] under the reference, for the behaviour

@@ -91,9 +91,6 @@ class GRPOConfig:
     # Weight of each answer's own credit beside its game's: the games of a group that reached the same
     # conversation compared from there (GiGPO's step-level advantage; estimators/turn_credit.py). 0: off
     turn_credit: float = 0.0
-    # A change of objective, not variance reduction: each one-token answer's batch-mean advantage subtracted
-    # (estimators/centring.py). Needs sampling.constrained; no result of the project's rests on it
-    centre_per_answer: bool = False
     max_token_age: Optional[int] = None  # drop from the loss tokens sampled more than this many versions ago
     # DAPO's overlong handling (Yu et al. 2025) for answers cut at sampling.max_tokens: keep their episodes out of
     # the loss (they still count in their group's baseline); and/or a soft penalty, 0 to -1 over an answer's
@@ -133,9 +130,8 @@ class GRPOConfig:
                 raise ConfigError(f"{key}.{name}: expected 0 <= {name} <= 1, got {getattr(self, name)}")
         if self.estimator == "ppo" and self.value_coef <= 0:
             raise ConfigError(f"{key}.value_coef: expected > 0 with estimator ppo (it trains the value head), got {self.value_coef}")
-        for name in ("turn_credit", "centre_per_answer"):
-            if self.estimator == "ppo" and getattr(self, name):
-                raise ConfigError(f"{key}.{name}: compares a group's rewards; ppo's baseline is the value head's per turn: set it 0/false")
+        if self.estimator == "ppo" and self.turn_credit:
+            raise ConfigError(f"{key}.turn_credit: compares a group's rewards; ppo's baseline is the value head's per turn: set it 0")
         check_non_negative(self, key, "max_policy_age", "clip_low", "clip_high", "kl_coef", "entropy_coef", "turn_credit", "overlong_buffer", "value_coef")
         check_positive(self, key, "sapo_tau_pos", "sapo_tau_neg")
         if self.normalize_mean and self.estimator != "dr_grpo":

@@ -328,9 +328,6 @@ class RunConfig:
             _replicas_fill_hosts(role, section.num_replicas, section.hosts)
         if self.grpo.overlong_buffer > self.sampling.max_tokens:
             raise ConfigError(f"grpo.overlong_buffer: {self.grpo.overlong_buffer} is longer than sampling.max_tokens ({self.sampling.max_tokens})")
-        if self.grpo.centre_per_answer and not self.sampling.constrained:
-            # centring pools trained tokens by id: with free text that is every word, not the answers
-            raise ConfigError("grpo.centre_per_answer: centres each answer token, so it needs sampling.constrained true")
 
 
 def _replicas_fill_hosts(role: str, replicas: int, hosts: int) -> None:

@@ -2,8 +2,8 @@
 says how it makes advantages and which loss its paper trains them with (estimator.py); the table, with each
 one's expected update and the test that proves it, is docs/estimators.md. On top of any group estimator:
 `grpo.turn_credit` (turn_credit.py, GiGPO's per-turn comparison), `grpo.overlong_buffer` (DAPO's soft penalty
-near max_tokens, a shaping of the reward), `grpo.kl_in_reward` (the KL as a per-token penalty in the return),
-`grpo.centre_per_answer` (centring.py, a change of objective). Advantages are per token, made once a batch.
+near max_tokens, a shaping of the reward), `grpo.kl_in_reward` (the KL as a per-token penalty in the return).
+Advantages are per token, made once a batch.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from forge_rl.core.estimators import cispo, dr_grpo, grpo, gspo, ppo, reinforce_pp, rloo, sapo
-from forge_rl.core.estimators.centring import centre_per_answer
 from forge_rl.core.estimators.estimator import Estimator
 from forge_rl.core.estimators.groups import answer_turns, rollout_of
 from forge_rl.core.types import Episode
@@ -36,7 +35,7 @@ def estimate(
 ) -> list[torch.Tensor]:
     """Per token [T] advantages of each episode of `batch` (whole groups, the whole batch) under `config`
     (GRPOConfig). masks: each episode's trained positions [T] as the loss will see them (default: its
-    loss_mask): what centring and REINFORCE++'s standardisation average over. max_tokens:
+    loss_mask): what REINFORCE++'s standardisation averages over. max_tokens:
     sampling.max_tokens, for `overlong_buffer`. values: each episode's [T] (an estimator with `values`).
     kl: with `kl_in_reward`, each episode's per-token KL estimate [T] of the behaviour policy to the reference."""
     estimator = ESTIMATORS[config.estimator]
@@ -51,8 +50,6 @@ def estimate(
         per_token = [a - config.kl_coef * returns_to_go(k, m) for a, k, m in zip(per_token, kl, masks)]
     if estimator.batch_whitened:
         per_token = whitened(per_token, masks)
-    if config.centre_per_answer:
-        per_token = centre_per_answer(per_token, [e.tokens for e in batch], masks)
     return per_token
 
 
