@@ -1,12 +1,8 @@
 """The policy as a TorchTitan model: built from a Hugging Face directory, HF weights in and out.
 
-Trainer and ReferenceModel both build their model here, from the same HF safetensors directory
-the generator loads, so all three start from identical weights. Adding a model family means
-adding one line to MODEL_FAMILIES (and, if its config keys differ, one `*_args` function).
-
-Also here, because trainer and reference share them: torch.distributed start-up from the
-environment the provisioner sets, FSDP2 sharding, and the batch layout (right-padded token
-ids, position t of every [B, T] tensor is about token t).
+Trainer and ReferenceModel build from the directory the generator loads, so all three start identical.
+A model family is one line in MODEL_FAMILIES (and one `*_args` function if its config keys differ).
+Batch layout: right-padded token ids; position t of every [B, T] tensor is about token t.
 """
 
 import dataclasses
@@ -56,8 +52,7 @@ def qwen3_args(hf: dict) -> Qwen3ModelArgs:
 
 
 def qwen2_args(hf: dict) -> Qwen3ModelArgs:
-    """HF Qwen2 (Qwen2.5) config.json -> TorchTitan's Qwen3 args without q/k norms: the two differ only there and
-    in Qwen2's q/k/v biases, which Qwen2Model adds."""
+    """Qwen2 (Qwen2.5) is Qwen3 without q/k norms and with q/k/v biases, which Qwen2Model adds."""
     return dataclasses.replace(qwen3_args(hf), qk_norm=False)
 
 
@@ -79,10 +74,8 @@ class Qwen2StateDictAdapter(Qwen3StateDictAdapter):
 def llama_args(hf: dict) -> Llama3ModelArgs:
     """HF Llama config.json -> TorchTitan's Llama 3 args (SmolLM2, Llama 3.x).
 
-    TorchTitan's Llama always applies Llama 3.1's rope scaling; factor 1 turns it into plain rope
-    for models without it. Its feed-forward width is derived (multiple_of, ffn_dim_multiplier):
-    multiple_of = intermediate_size with a multiplier a hair under the ratio makes it exactly
-    intermediate_size. It has no weight tying: forge_rl/models/ unties GGUF models on conversion.
+    TorchTitan always applies Llama 3.1's rope scaling; factor 1 makes it plain rope. Its feed-forward width
+    is derived: multiple_of = intermediate_size and a multiplier a hair under the ratio give exactly that width.
     """
     if hf.get("tie_word_embeddings", False):
         raise NotImplementedError(
@@ -138,10 +131,7 @@ MODEL_FAMILIES = {
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
-    """Join the mesh's process group (gloo on CPU, NCCL on GPU) from the env the provisioner set.
-
-    Returns (rank, world_size, device). Without MASTER_ADDR (a plain process) runs alone.
-    """
+    """(rank, world_size, device) from the env the provisioner set; without MASTER_ADDR, alone."""
     use_gpu = torch.cuda.is_available()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_gpu else torch.device("cpu")
@@ -160,11 +150,9 @@ def build_model(
 ):
     """TorchTitan model holding the HF checkpoint's weights; returns (model, adapter).
 
-    Built on the meta device, with LoRA layers when `lora` (a LoraConfig) is given (lora.py) and PPO's value head
-    when `value_head` (value_head.py: after LoRA, which freezes every other parameter), sharded with
-    FSDP2 over all ranks when there is more than one (`shard` overrides), then materialised and filled from
-    the HF safetensors (and the adapters' starting values). Parameters stay fp32 (the optimizer's master
-    copy); `dtype` is the compute dtype: FSDP's mixed precision when sharded, autocast otherwise.
+    The value head goes on after LoRA, which freezes every other parameter. Sharded over more than one rank
+    unless `shard` says otherwise. Parameters stay fp32 (the optimizer's master copy); `dtype` is the compute
+    dtype: FSDP's mixed precision when sharded, autocast otherwise.
     """
     hf_dir = Path(hf_dir)
     hf_config = json.loads((hf_dir / "config.json").read_text())
@@ -193,10 +181,8 @@ def build_model(
 def shard_model(model: torch.nn.Module, mesh, dtype: str) -> None:
     """FSDP2 the way TorchTitan wraps a decoder: each block, then the root.
 
-    Not TorchTitan's apply_fsdp itself: it puts the embeddings and the output head in separate
-    FSDP groups, which FSDP refuses when they are tied (Qwen3 0.6B-4B). Here both stay in the
-    root group. Gradients are summed over ranks, not averaged: the loss is already normalised
-    by the global batch (loss.py `denominator`), as in TorchTitan.
+    Not TorchTitan's apply_fsdp: its separate groups for embeddings and output head fail when they are tied
+    (Qwen3 0.6B-4B). Gradients are summed, not averaged: the loss is normalised by the global batch.
     """
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
     for block in model.layers.values():
@@ -239,11 +225,9 @@ def pad_right(rows: list[torch.Tensor], length: int, value=0) -> torch.Tensor:
 
 
 def sampling_logits(logits: torch.Tensor, allowed_token_ids: list[int] | None, temperature: float = 1.0) -> torch.Tensor:
-    """The logits of the distribution the generator samples from, so that the trainer's and the
-    reference's log-probs and entropy are of that distribution (the generator returns processed
-    log-probs): only `allowed_token_ids` possible, as vLLM's `allowed_token_ids` sampling does, and
-    divided by the sampling temperature. Top-p/top-k truncation is not mirrored, so the config
-    refuses it (SamplingConfig.check)."""
+    """The logits of the distribution the generator samples from (it returns processed log-probs).
+
+    Top-p/top-k truncation is not mirrored, so the config refuses it (SamplingConfig.check)."""
     if allowed_token_ids is not None:
         keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
         keep[list(allowed_token_ids)] = True
@@ -253,9 +237,9 @@ def sampling_logits(logits: torch.Tensor, allowed_token_ids: list[int] | None, t
 
 @contextmanager
 def scoring_head(model: torch.nn.Module, index: torch.Tensor):
-    """Within it, `model(tokens)` ([B, T] ids) returns logits only at the flat positions `index` of its [B * T]
-    outputs: [len(index), V]. The output head sees only those hidden states (a hook on its input: the module
-    tree, and so FSDP's parameter names, stay as they are)."""
+    """Within it, `model(tokens)` returns logits [len(index), V] at flat positions `index` of its [B * T] outputs.
+
+    A hook on the head's input, so the module tree, and FSDP's parameter names, stay as they are."""
     handle = model.output.register_forward_pre_hook(lambda module, args: (args[0].flatten(0, 1)[index],))
     try:
         yield
@@ -267,11 +251,11 @@ def scored_logprobs(
     logits: torch.Tensor, which: torch.Tensor, targets: torch.Tensor, allowed_token_ids: list[int] | None = None,
     temperature: float = 1.0, entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The one computation of log-probs under the sampling distribution (`sampling_logits`): for N tokens,
-    token i is `targets[i]`, predicted by row `which[i]` of `logits` [U, V]. Returns ([N], entropy [N] or None).
-    Constrained, the softmax covers the A allowed ids only (as vLLM's `allowed_token_ids` does), so it and
-    its backward cost A, not V, per row; a target outside them (a prompt position, never trained) gets the
-    finite -1e9 / temperature - logsumexp that masking the whole vocabulary would give it."""
+    """The one computation of log-probs under the sampling distribution: token i is `targets[i]`, predicted by
+    row `which[i]` of `logits` [U, V]. Returns ([N], entropy [N] or None).
+
+    Constrained, the softmax covers the allowed ids only, so it costs A, not V, per row; a target outside them
+    (a prompt position, never trained) gets what masking the whole vocabulary would give it."""
     outside = None
     if allowed_token_ids is not None:
         allowed = torch.as_tensor(list(allowed_token_ids), device=logits.device)
@@ -299,8 +283,7 @@ def position_logprobs(logits: torch.Tensor, targets: torch.Tensor, allowed_token
 
 def sequence_logprobs(model: torch.nn.Module, tokens: torch.Tensor, allowed_token_ids=None, temperature: float = 1.0,
                       entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each token given those before it: tokens [B, T] -> [B, T] (position 0: 0), aligned with
-    `tokens` like Episode.behaviour_logprobs; and the entropy of each position's prediction, [B, T - 1]."""
+    """tokens [B, T] -> log-probs [B, T] (position 0: 0, as Episode.behaviour_logprobs), entropy [B, T - 1]."""
     lp, h = position_logprobs(model(tokens[:, :-1]), tokens[:, 1:], allowed_token_ids, temperature, entropy)
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1), h
 

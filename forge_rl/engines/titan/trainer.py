@@ -3,11 +3,6 @@ the loss function it is given (core/objective.py for GRPO) turns each micro-batc
 
     recipe --episodes--> train_step --> push_weights(v) --Publisher--> generators (forge_rl/weights/)
 
-What it consumes: a flat list of Episodes (whole groups), optionally reference log-probs, and
-episodes to imitate (a negative log-likelihood term). What it produces: one optimizer step per call and a
-metrics dict; on push_weights, HF-named weights sent by the transport the run planned, with the version's
-handle in TorchStore. It never waits for data: the training loop calls it when a batch exists.
-
 Deliberately not here: sequence packing (sdpa has no block-causal mask; episodes are right-padded per
 micro-batch instead), tensor/pipeline parallelism, activation checkpointing, torch.compile.
 """
@@ -50,18 +45,14 @@ NONFINITE_STEPS_BEFORE_STOPPING = 3  # in a row, each skipped: the run stops (on
 class Trainer(ForgeActor):
     """The policy being trained: model, AdamW, LR schedule, step counter, last pushed version.
 
-    Lifecycle: constructed with config only; `setup` (all ranks) joins the process group, builds the model,
-    the optimizer and the weights publisher; then any sequence of the endpoints, each called on ALL ranks.
-    Invariant: every rank holds the same step count and applies the same update (each rank gets the whole
-    batch, trains on its slice, FSDP sums the gradients); a non-finite update is applied by none.
+    Every endpoint is called on ALL ranks. Invariant: every rank holds the same step count and applies the same
+    update (each gets the whole batch, trains on its slice, FSDP sums gradients); a non-finite update is applied by none.
 
-    The loss function (core/objective.py `GRPOLoss` is one): `prepare(tensors, **numbers) -> totals` on an
-    optimizer step's minibatch, then `loss_fn(logprobs [B, T], piece, entropy, totals) -> (loss, metrics)` per
-    micro-batch, `piece` holding "behaviour", "ages", "ref" (when given) and every [B, T] tensor of the step's
-    `data` (fixed by the caller once per batch: "mask", "advantages", ...; the trainer reads none of them), the
-    pieces' gradients adding up to the step's. Its metrics include `num_tokens` (`reduction`: the others);
-    `imitation_coef` weighs the NLL of episodes to imitate; `value_head` true gives it one (value_head.py):
-    piece["predicted_values"] with grad, and the values `score_batch` reads before a batch's updates.
+    The loss function (core/objective.py `GRPOLoss`): `prepare(tensors, **numbers) -> totals` per minibatch, then
+    `loss_fn(logprobs [B, T], piece, entropy, totals) -> (loss, metrics)` per micro-batch; `piece` holds "behaviour",
+    "ages", "ref" (when given) and every [B, T] tensor of `data`, which the trainer never reads; the pieces'
+    gradients add up to the step's. Metrics include `num_tokens` (`reduction` says how the others combine).
+    `imitation_coef` weighs imitated episodes' NLL; `value_head` true adds piece["predicted_values"] (value_head.py).
     """
 
     def __init__(
@@ -85,7 +76,7 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def setup(self) -> None:
-        """All ranks. Process group, weights publisher, model (HF weights via the adapter), optimizer, LR schedule."""
+
         self.rank, self.world, self.device = init_distributed()
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads() // self.world))
@@ -98,8 +89,7 @@ class Trainer(ForgeActor):
         titan_optim = TitanOptimizerConfig(name="AdamW", lr=o.lr, weight_decay=o.weight_decay, implementation=implementation)
         dims = ParallelDims(dp_replicate=1, dp_shard=self.world, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=self.world)
         self.optimizers = build_optimizers([self.model], titan_optim, dims)
-        # TorchTitan's warmup-stable-decay schedule. "constant" = no decay phase; its horizon is
-        # made unreachable because TorchTitan's schedule fails past its last step.
+        # "constant": no decay phase, and an unreachable horizon, since TorchTitan's schedule fails past its last step.
         constant = o.schedule == "constant"
         schedule = TitanLRSchedulerConfig(warmup_steps=o.warmup_steps, decay_ratio=0.0 if constant else None,
                                           decay_type="linear" if constant else o.schedule)
@@ -111,12 +101,10 @@ class Trainer(ForgeActor):
         self, batch: list[Episode], data: dict, ref_logprobs: list[torch.Tensor] | str | None = None,
         imitate: list[Episode] | None = None,
     ) -> dict[str, float]:
-        """All ranks (every rank gets the whole batch; returns the same metrics). One optimizer step.
+        """One optimizer step; every rank gets the whole batch and returns the same metrics.
 
-        data: fixed once for the episodes' batch (core/objective.py `batch_data`): [B, T'] tensors (row i:
-        episode i, T' at least its length; "mask": the trained positions) and numbers, for the loss_fn.
-        ref_logprobs: per episode [T] reference log-probs, or "base" (LoRA): this model's with the adapters off.
-        imitate: episodes whose mean token NLL, times the loss_fn's `imitation_coef`, joins the loss."""
+        data: core/objective.py `batch_data`, [B, T'] tensors ("mask": trained positions) and numbers for the loss_fn.
+        ref_logprobs: per episode [T], or "base" (LoRA): this model's with the adapters off."""
         if self.loss_fn is None:
             raise ValueError("Trainer.train_step: this trainer was built without a loss_fn")
         t = self._tensors(batch, None if ref_logprobs == "base" else ref_logprobs)
@@ -176,10 +164,8 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def score_batch(self, batch: list[Episode], masks: list[torch.Tensor], values: bool, entropy: bool) -> dict:
-        """All ranks (collective when sharded; all return the same). A batch under the current weights, before
-        its updates, no grad, one forward: what an objective fixes once per batch. `values`: each episode's [T]
-        value-head values (V of the state before each sampled token, 0 elsewhere); `entropy`: the mean
-        next-token entropy over the positions `masks` [T] marks, every rank's rows together."""
+        """What an objective fixes once per batch, before its updates. `values`: each episode's [T] value-head
+        values (V before each sampled token, 0 elsewhere); `entropy`: mean next-token entropy where `masks` mark."""
         t, mine, out = self._tensors(batch, None), self._my_rows(len(batch)), {}
         with torch.no_grad():
             pieces = list(self._scored_pieces(t, mine))
@@ -197,12 +183,9 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def push_weights(self, version: int, receivers: list[int] | None = None) -> int:
-        """All ranks (collective when sharded). The HF-named weights go by the planned transport, each tensor
-        gathered as its turn comes (or, into shared memory on one host, each rank's own rows with no gather),
-        and the version's handle goes into TorchStore (forge_rl/weights/); with LoRA, the adapters alone.
-        Returns once generators can fetch it (a broadcast is then under way and completes as they take it; the
-        next push and the next optimizer step wait for it): the bytes published, on every rank. `receivers`:
-        the generator replicas a broadcast goes to (those the controller then tells to load it)."""
+        """HF-named weights by the planned transport (with LoRA, the adapters alone); returns the bytes once
+        generators can fetch them. A broadcast may still be under way: the next push and optimizer step wait for it.
+        `receivers`: the generator replicas a broadcast goes to."""
         shapes, tensors, adapter, rows = self._outgoing()
         async with self._sending(tensors):
             await self.publisher.publish(shapes, tensors, version, rows, adapter, receivers)
@@ -211,8 +194,7 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def resend_weights(self, replica: int, version: int) -> bool:
-        """All ranks. Broadcast: send `version` again, to one rejoined generator replica, if the parameters
-        are still that version (no optimizer step since its push); False otherwise (ask after the next push)."""
+        """Broadcast `version` again to one rejoined replica; False if an optimizer step has changed the parameters."""
         if getattr(self, "held_version", None) != version:
             return False
         _, tensors, _, _ = self._outgoing()
@@ -240,15 +222,12 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def join_weights_group(self, rendezvous: str, port: int, world: int, bind: str, replica: int = 0) -> None:
-        """All ranks, with one generator replica's join at the same time: rank 0 joins that replica's
-        broadcast group as its rank 0 and hosts its rendezvous on `rendezvous:port`; other ranks do nothing."""
+        """Rendezvous with one generator replica's join: rank 0 joins its broadcast group as rank 0 and hosts it."""
         await asyncio.to_thread(self.publisher.join, rendezvous, port, world, bind, replica)
 
     @endpoint
     async def logprobs(self, token_ids: list[torch.Tensor], base: bool = False) -> list[torch.Tensor]:
-        """All ranks (collective when sharded; all return the same). Current policy's per-token
-        log-probs, each [T] aligned with its ids (position 0 is 0). `base`: of the model without its LoRA
-        adapters, the reference policy of the KL term under LoRA."""
+        """Per-token log-probs, each [T] aligned with its ids (position 0 is 0). `base`: LoRA adapters off."""
         self.model.eval()
         try:
             with lora.adapters_off(self.model) if base else contextlib.nullcontext():
@@ -258,20 +237,17 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def export_hf(self, path: str) -> None:
-        """All ranks (they gather the weights together); rank 0 writes a plain HF directory at `path`:
-        export.py."""
+        """All ranks gather the weights; rank 0 writes a plain HF directory at `path` (export.py)."""
         export_hf(self.model, self.adapter, self.model_path, path, self.lora)
 
     @endpoint
     async def save_checkpoint(self, path: str) -> None:
-        """All ranks. Model, optimizer, LR schedule, step and policy version with
-        torch.distributed.checkpoint (each rank writes its shards)."""
+
         dcp.save(self._checkpoint_state(), checkpoint_id=path)
 
     @endpoint
     async def load_checkpoint(self, path: str) -> dict[str, int]:
-        """All ranks. Restore what save_checkpoint wrote (any earlier number of ranks works for the
-        model and optimizer); training then continues with the same numbers."""
+        """Any earlier number of ranks works for the model and optimizer."""
         await self.publisher.sent()
         state = self._checkpoint_state()
         dcp.load(state, checkpoint_id=path)
@@ -300,9 +276,7 @@ class Trainer(ForgeActor):
         }
 
     def _apply_schedule(self) -> None:
-        """Set the optimizer's lr to this run's schedule at the restored step. The checkpoint holds the lr
-        of the run that saved it (0 at the end of a decayed schedule): a run resumed with more max_steps
-        would take its first step at that lr."""
+        """The checkpoint holds the saving run's lr (0 at the end of a decay): a resume with more max_steps needs its own."""
         for scheduler in self.lr_schedulers.schedulers:
             set_scheduler_lr(scheduler, [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)])
 
@@ -310,8 +284,7 @@ class Trainer(ForgeActor):
         return batch_tensors(batch, ref_logprobs, self.policy_version)
 
     def _forward_loss(self, t: dict, plan: ForwardPlan, rows: list[int], episodes: list[int], weight: float, totals):
-        """The loss of `episodes` from one forward of the `rows` that serve them (scoring.py); `piece` holds
-        their [B, T] tensors from position 1, and the log-probs and entropies of their trained tokens."""
+        """The loss of `episodes` from one forward of the `rows` that serve them (scoring.py)."""
         lp, entropy, width, anchor, values = self._score(t, plan, rows, episodes)
         piece = {k: v[episodes, 1 : width + 1].to(self.device) for k, v in t.items() if v.dim() == 2 and k != "tokens"}
         piece["mask"] = piece["mask"] * weight
@@ -321,10 +294,9 @@ class Trainer(ForgeActor):
 
     def _score(self, t: dict, plan: ForwardPlan, rows: list[int], episodes: list[int]):
         """One forward of `rows`, the output head only where a trained token of `episodes` is predicted.
-        Returns their log-probs and entropies as [len(episodes), width] (column j: position j + 1, 0 where
-        nothing is trained), the width, a zero that ties every parameter to the loss (a rank whose piece trains
-        nothing still runs the backward, whose collectives the other ranks of FSDP wait for), and the value
-        head's values there as the log-probs are (None without one)."""
+
+        Log-probs, entropies and values are [len(episodes), width], column j for position j + 1. `anchor` is a
+        zero tying every parameter to the loss: a rank that trains nothing still runs FSDP's backward collectives."""
         width = max([plan.needed[b] for b in episodes] + [1])
         slots, positions, index, which = scored_positions(plan, t["mask"], episodes, rows, width)
         with autocast(self.device, self.dtype), scoring_head(self.model, index.to(self.device)), head_values(self.model) as head:
@@ -339,8 +311,7 @@ class Trainer(ForgeActor):
         return lp, entropy, width, anchor, values
 
     def _scored_pieces(self, t: dict, mine: list[int]):
-        """(episodes, log-probs, entropies, width, weight, values) of each micro-batch of this rank's episodes, scored
-        as the loss scores them (every rank runs the same number of forwards); call under torch.no_grad."""
+        """Each micro-batch scored as the loss scores it; call under torch.no_grad."""
         plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
         for rows, weight in self._micro_batches(plan.rows):
             episodes = plan.served_by(rows, mine) if weight else []
@@ -349,8 +320,7 @@ class Trainer(ForgeActor):
 
     @torch.no_grad()
     def _base_logprobs(self, t: dict, mine: list[int]) -> torch.Tensor:
-        """[B, T] log-probs of this rank's episodes' trained tokens under the base model (adapters off), by the
-        same one-row-per-path forwards as the loss (0 elsewhere): the KL reference under LoRA."""
+        """The KL reference under LoRA: trained tokens' log-probs with the adapters off, scored as the loss scores."""
         ref = torch.zeros_like(t["mask"])
         with lora.adapters_off(self.model):
             for episodes, lp, _, width, _, _ in self._scored_pieces(t, mine):
@@ -358,8 +328,7 @@ class Trainer(ForgeActor):
         return ref
 
     def _imitation_backward(self, episodes: list[Episode], coef: float) -> float:
-        """Backward of coef x the mean NLL of the episodes' sampled tokens (their loss_mask); returns that NLL.
-        Micro-batched and split over ranks as the main loss is."""
+        """Backward of coef x the mean NLL of the episodes' sampled tokens; returns that NLL."""
         t = self._tensors(episodes, None)
         denominator = t["mask"].sum().clamp(min=1).item()
         mine = self._my_rows(len(episodes))
@@ -374,9 +343,8 @@ class Trainer(ForgeActor):
         return self._all_sum({"nll": nll})["nll"]
 
     def _micro_batches(self, rows: list[int]):
-        """`rows` (this rank's forward rows) as (rows, loss weight) micro-batches. Every rank runs the same
-        number of forward/backward passes (FSDP's collectives pair up); a rank short of rows runs row 0 of the
-        batch with its loss weighted 0."""
+        """(rows, loss weight) micro-batches. Every rank runs as many passes (FSDP's collectives pair up): one short
+        of rows runs row 0 weighted 0."""
         n_micro = max(1, int(self._all_max({"n": math.ceil(len(rows) / self.micro_batch_size)})["n"]))
         for piece in torch.tensor_split(torch.tensor(rows, dtype=torch.long), n_micro):
             yield (piece.tolist(), 1.0) if len(piece) else ([0], 0.0)

