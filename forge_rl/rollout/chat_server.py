@@ -5,17 +5,12 @@
     agent <--reply: text, tool calls (vLLM's tool parser)-- ChatServer <---------------------+
     GET /s/<rollout_id>/trajectory --> the rollout's segments: exact ids, sampled mask, log-probs, versions
 
-Every rollout has its own base URL, `/s/<rollout_id>/v1`, so an unmodified SDK client is one rollout
-(Anthropic's SDK appends /v1 itself: give it `/s/<rollout_id>`). A training run opens a rollout per
-agent (agents.py); run alone (forge_rl/chat_server.py), `POST /rollouts` opens one and `POST /s/<id>/end` ends it:
+Each rollout has its own base URL, `/s/<rollout_id>/v1`, so an unmodified SDK client is one rollout (Anthropic's
+SDK appends /v1 itself: give it `/s/<rollout_id>`). Run alone: forge_rl/chat_server.py.
 
-    python -m forge_rl.chat_server --config configs/blackjack_agent_tiny_cpu.yaml --port 8000 [key=value ...]
-
-Sampling parameters come from the run config, never from the caller: an agent sending temperature 0.3
-would otherwise change the distribution the trainer takes for the behaviour policy. A retried identical
-request gets the recorded reply, not a second sample. Bad input gets the protocol's error (OpenAI's or
-Anthropic's JSON) and leaves the rollout's record as it was. Requests of one rollout are answered one
-at a time, in order; rollouts are concurrent. Runs on the caller's event loop (aiohttp).
+Sampling comes from the run config, never the caller: a caller's temperature would change the distribution the
+trainer takes for the behaviour policy. A retried identical request gets the recorded reply, not a second sample.
+Bad input gets the protocol's error and leaves the record as it was. One rollout's requests are answered in order.
 """
 
 from __future__ import annotations
@@ -60,8 +55,8 @@ class Reply:
 
 @dataclass
 class Rollout:
-    """One agent run's record. `answer(prompt ids, previous)` samples one completion; `previous` is
-    (prompt ids, answer ids) of the rollout's last completion (games of a group share requests by it)."""
+    """One agent run's record. `previous`: (prompt ids, answer ids) of the last completion, by which a group's
+    games share requests."""
 
     rollout_id: str
     answer: Callable[[list[int], tuple | None], Awaitable[Completion]]
@@ -83,12 +78,7 @@ class Rollout:
 
 
 class ChatServer:
-    """Serves the chat APIs for the rollouts it holds.
-
-    Lifecycle: construct (data only); `start()` binds and serves on the running event loop;
-    `open_rollout` / `end_rollout` per agent run; `stop()`. `generate(prompt_ids, sampling, session)`
-    reaches the policy (a Service's route, sticky per session); `sampling` and `greedy` are the run's.
-    """
+    """Serves the chat APIs on the running event loop; `generate(prompt_ids, sampling, session)` is sticky per session."""
 
     def __init__(self, tokenizer, generate, sampling: dict, greedy: dict, config: ChatConfig, max_model_len: int,
                  template_kwargs: dict | None = None):
@@ -143,8 +133,7 @@ class ChatServer:
             self._runner = None
 
     def open_rollout(self, answer=None, greedy: bool = False, rollout_id: str | None = None) -> Rollout:
-        """A new rollout; its requests sample through `answer`, by default the policy with the run's
-        sampling (greedy: the evaluation's), sticky to one replica."""
+        """`answer` defaults to the policy with the run's sampling (greedy: the evaluation's)."""
         rollout_id = rollout_id or uuid.uuid4().hex
         if answer is None:
             params = self.greedy if greedy else self.sampling

@@ -16,14 +16,10 @@ from __future__ import annotations
 class Publisher:
     """The trainer's side of a transport; one per trainer rank, made once at set-up (collective).
 
-    `publish(shapes, tensors, version)` runs on every rank with the HF-named shapes (meta tensors, in layout
-    order) and an iterator over the tensors themselves, and returns once a generator can fetch the version
-    (its handle is in TorchStore). `adapter` ({"scale": ...}) says the tensors are LoRA adapters, which the
-    generators merge into their base weights. Where the publisher says `every_rank_writes`, the trainer may
-    pass `rows=True` with each rank's iterator giving (first row, its own rows) instead
-    (engines/titan/hf_weights.py `hf_weight_rows`), and every rank writes them. `receivers` (generator
-    replica indices) matters to a transport that sends to each (broadcast): it returns those it sent to;
-    the others return None (every generator fetches the version itself).
+    `publish` runs on every rank with HF-named meta shapes (in layout order) and an iterator over the tensors,
+    and returns once a generator can fetch the version. `adapter` ({"scale": ...}): the tensors are LoRA
+    adapters. With `every_rank_writes`, `rows=True` iterators give (first row, own rows) (hf_weights.py
+    `hf_weight_rows`). A transport that sends to each replica (broadcast) returns those in `receivers` it sent to.
     """
 
     every_rank_writes = False
@@ -61,8 +57,7 @@ def make_publisher(kind: str, rank: int, world: int, device) -> Publisher:
 
 
 async def stage(version: int, engine, prefix: str = "policy") -> tuple[str, tuple, object]:
-    """Generator side: fetch or check `version` by the transport its handle names; returns the vLLM worker
-    method that loads it, its arguments, and a file to delete after the load (or None)."""
+    """Generator side: (vLLM worker method that loads `version`, its arguments, a file to delete after or None)."""
     from forge_rl.weights import control
 
     handle = await control.get_handle(version, prefix=prefix)

@@ -1,13 +1,10 @@
 """Broadcast across hosts: one process group per generator replica (gloo on CPU, NCCL on GPUs), the trainer's
-rank 0 and that replica's vLLM workers. Each version goes out tensor by tensor, after a one-number header
-saying which version it is, into a staging buffer each worker keeps, and is loaded from views of it. The
-version's WeightsHandle (the layout) goes to TorchStore.
+rank 0 and that replica's vLLM workers. Each version goes out after a one-number version header, into a
+staging buffer each worker keeps; its WeightsHandle (the layout) goes to TorchStore.
 
-A group per replica, not one for all: a collective waits for every member, so in one group a single lost
-replica failed (gloo) or stalled (NCCL, a silent host) every update. Here a send that fails drops that
-replica's group alone (that replica's own load fails too, and the service restarts it); the controller
-sends each version to the replicas it will tell to load it (`receivers`), and a restarted replica rejoins
-with a group of its own and is sent the current version before it takes calls (`rejoin`).
+A group per replica, not one for all: a collective waits for every member, so one lost replica would fail
+(gloo) or stall (NCCL) every update. A failed send drops that replica's group alone; the restarted replica
+rejoins with a group of its own and gets the current version before it takes calls (`rejoin`).
 """
 
 from __future__ import annotations
@@ -29,11 +26,8 @@ logger = logging.getLogger(__name__)
 
 
 def join_group(rendezvous: str, port: int, rank: int, world: int, bind: str, timeout_s: float = 300.0):
-    """A process group of its own (not torch.distributed's default one): rank 0 is the trainer and hosts the
-    rendezvous at `rendezvous:port`; every member binds its connections to its own address `bind`.
-    Gloo on CPU; NCCL when CUDA is present (then broadcast tensors must be on the current CUDA device).
-    Blocks until all `world` members have joined, or raises after `timeout_s`.
-    """
+    """Not torch.distributed's default group: rank 0, the trainer, hosts the rendezvous; each member binds `bind`.
+    With NCCL, broadcast tensors must be on the current CUDA device."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -47,7 +41,7 @@ def group_device() -> torch.device:
 
 
 def broadcast_send(group, version: int, tensors: list[torch.Tensor]) -> None:
-    """Rank 0 (trainer): the version header, then every tensor in the handle's layout order."""
+
     device = group_device()
     group.broadcast(torch.tensor([version], dtype=torch.int64, device=device), 0).wait()
     for t in tensors:
@@ -55,8 +49,7 @@ def broadcast_send(group, version: int, tensors: list[torch.Tensor]) -> None:
 
 
 def broadcast_receive(group, handle: WeightsHandle, staging: torch.Tensor | None) -> torch.Tensor:
-    """Other ranks (vLLM workers): receive one version into `staging` (reallocated only when too small),
-    returned for `tensor_views`. A header naming another version than the handle's is refused."""
+    """Into `staging`, reallocated only when too small; a header naming another version is refused."""
     header = torch.zeros(1, dtype=torch.int64, device=group_device())
     group.broadcast(header, 0).wait()
     if int(header.item()) != handle.version:
@@ -69,7 +62,7 @@ def broadcast_receive(group, handle: WeightsHandle, staging: torch.Tensor | None
 
 
 async def _join(trainer, generator, replica: int, procs: int, rendezvous: str, bind: str, port: int) -> None:
-    """The trainer's rank 0 and every vLLM worker of one replica form that replica's group (a rendezvous)."""
+
     await asyncio.gather(
         trainer.join_weights_group.call(rendezvous, port, 1 + procs, rendezvous, replica),
         generator.join_weights_group.call(rendezvous, port, 1, 1 + procs, bind),
@@ -78,8 +71,7 @@ async def _join(trainer, generator, replica: int, procs: int, rendezvous: str, b
 
 async def connect(trainer, generators: list, procs_per_generator: int, rendezvous: str,
                   generator_binds: list[str], ports: list[int]) -> None:
-    """Controller, at set-up: a group for each replica (generator i binding generator_binds[i]), each on a
-    port of its own on the trainer's host (`free_ports`)."""
+    """A group per replica, each on a port of its own on the trainer's host."""
     await asyncio.gather(*(
         _join(trainer, g, i, procs_per_generator, rendezvous, bind, port)
         for i, (g, bind, port) in enumerate(zip(generators, generator_binds, ports, strict=True))
@@ -87,7 +79,7 @@ async def connect(trainer, generators: list, procs_per_generator: int, rendezvou
 
 
 async def free_ports(host, n: int) -> list[int]:
-    """n distinct ports free now on `host` (the provisioner's view of the trainer's host)."""
+
     ports: list[int] = []
     while len(ports) < n:
         if (port := await host.free_port()) not in ports:
@@ -96,10 +88,8 @@ async def free_ports(host, n: int) -> list[int]:
 
 
 async def rejoin(replica, trainer, procs: int, rendezvous: str, binds: list[str], trainer_host, timeout_s: float = 300.0) -> None:
-    """Service.after_restart under broadcast: the restarted replica forms a new group with the trainer, which
-    sends it the newest pushed version while its parameters are still that version (`resend_weights`
-    answers False from an optimizer step until the next push: then ask again). A version pushed while this
-    runs went to the healthy replicas only: the loop takes it too."""
+    """Service.after_restart under broadcast. `resend_weights` is False between an optimizer step and the next
+    push: ask again. Looped: a version pushed meanwhile went to the healthy replicas only."""
     await _join(trainer, replica.actor, replica.index, procs, rendezvous, binds[replica.index], await trainer_host.free_port())
     loaded, deadline = 0, asyncio.get_running_loop().time() + timeout_s
     while (latest := await control.latest_pushed_version()) > loaded:
@@ -114,10 +104,8 @@ async def rejoin(replica, trainer, procs: int, rendezvous: str, binds: list[str]
 
 
 class Publisher(base.Publisher):
-    """Rank 0 sends the gathered tensors (an unsharded trainer: its parameters themselves) to the replicas it
-    is told to, each over its own group in a thread of its own, and returns once the handle is in
-    TorchStore; the sends complete as the workers take them. `sent` waits for them (the next push and the
-    next optimizer step: the parameters must not change meanwhile); a send that failed drops its group."""
+    """Rank 0 sends to each replica in a thread of its own and returns once the handle is in TorchStore.
+    `sent` waits for the sends, since the parameters must not change meanwhile; a failed send drops its group."""
 
     def __init__(self, rank: int, world: int, device):
         self.rank, self.groups, self.sending = rank, {}, []
@@ -143,7 +131,7 @@ class Publisher(base.Publisher):
         return chosen
 
     def resend(self, replica: int, tensors, version: int) -> None:
-        """Rank 0: send an already published version to one (rejoined) replica."""
+    
         if self.rank == 0:
             self._send(replica, version, list(tensors))
 
@@ -164,6 +152,6 @@ class Publisher(base.Publisher):
 
 
 async def stage(version: int, handle: dict, engine, prefix: str) -> tuple[str, tuple, None]:
-    """Generator: every vLLM worker takes the broadcast into its staging buffer (between engine steps)."""
+    """Every vLLM worker takes the broadcast into its staging buffer, between engine steps."""
     await engine.collective_rpc("receive_weights", args=(handle,))
     return "load_staged_weights", (handle,), None

@@ -1,9 +1,6 @@
-"""TorchStore, the control plane of weight sync: where each policy version's handle (or, with the store
-transport, its state dict) is left under a versioned key, `{prefix}/v{version}` (TorchForge's convention),
-so a generator asks for exactly the version it is told to load and old versions can be dropped.
-
-Every function works from any process of the Monarch job (controller or actor): torchstore finds its
-controller actor by name.
+"""TorchStore, the control plane of weight sync: each version's handle (or, with the store transport, its state
+dict) under `{prefix}/v{version}`, so a generator asks for exactly the version it is told to load and old
+versions can be dropped. Works from any process of the Monarch job: torchstore finds its controller by name.
 """
 
 from __future__ import annotations
@@ -80,11 +77,10 @@ async def delete_version(version: int, prefix: str = "policy") -> None:
 
 
 async def latest_pushed_version(prefix: str = "policy") -> int:
-    """The newest version whose handle is in TorchStore; 0 (the model directory) when none is. Not a
-    promise that it can be loaded: a shm push puts the handle while its bytes are still being written (a
-    reader refuses the buffer, StaleWeightsError, until they are all there); the training step after it
-    deletes the version (KeyError), and the push after next overwrites its shm buffer (StaleWeightsError).
-    A reader that meets any of these asks again (engines/vllm/generator.py `catch_up`)."""
+    """The newest version whose handle is in TorchStore; 0 (the model directory) when none is.
+
+    Not a promise that it can be loaded: its bytes may be still being written, dropped or overwritten; the
+    reader asks again (engines/vllm/generator.py `catch_up`)."""
     for version in reversed(await list_versions(prefix)):
         if await get_handle(version, prefix) is not None:
             return version

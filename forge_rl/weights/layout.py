@@ -50,15 +50,13 @@ def make_layout(state_dict: dict[str, torch.Tensor]) -> tuple[list, int]:
     return layout, offset
 
 
-# Projections vLLM fuses into one matrix (qkv_proj, gate_up_proj), in its row order. Written consecutively in
-# this order, each group IS that matrix in the buffer: a vLLM worker on CPU then packs it for its GEMM kernel
-# straight from the buffer, without first copying the parts together (vllm_worker.py).
+# Projections vLLM fuses into one matrix (qkv_proj, gate_up_proj), in its row order: written consecutively, each
+# group IS that matrix in the buffer, which a vLLM worker on CPU packs without copying the parts together.
 FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def fused_order(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state_dict` (HF names) reordered so that each FUSED_PROJECTIONS group of a layer is consecutive, in
-    order, where its first member was; everything else keeps its place. Same tensors, no copy."""
+    """Each FUSED_PROJECTIONS group made consecutive where its first member was; same tensors, no copy."""
     ordered = {}
     for name in state_dict:
         module, _, leaf = name.rpartition(".")  # "model.layers.0.mlp.up_proj", "weight"
@@ -78,8 +76,7 @@ def tensor_views(payload: torch.Tensor, layout: list) -> Iterator[tuple[str, tor
 
 
 def copy_rows(payload: torch.Tensor, layout: list, rows: Iterable[tuple[int, torch.Tensor | None]]) -> None:
-    """Copy each (first row, tensor) of `rows`, in layout order, to those rows of its place in `payload`
-    (None: nothing for this writer to copy). Several writers fill one payload, each with its own rows."""
+    """Several writers fill one payload, each with its own (first row, tensor or None) per layout entry."""
     for (_, view), (first, t) in zip(tensor_views(payload, layout), rows, strict=True):
         if t is not None:
             view[first : first + t.shape[0]].copy_(t)

@@ -15,8 +15,7 @@ MODES = ("auto", "shm", "broadcast", "store")
 
 
 def choose(mode: str, same_host: bool, fits: bool) -> str:
-    """The transport for config `generator.weight_sync`. "auto": shm when trainer and generators share a
-    host and its /dev/shm holds two buffers (`fits`); broadcast across hosts; else the TorchStore fallback."""
+
     if mode not in MODES:
         raise ValueError(f"generator.weight_sync: expected one of {', '.join(MODES)}, got {mode!r}")
     if mode != "auto":
@@ -28,8 +27,7 @@ def choose(mode: str, same_host: bool, fits: bool) -> str:
 
 @dataclass
 class SyncPlan:
-    """How this run's weights travel, decided from where its roles run (the provisioner's hosts: objects
-    with `address`, and async `shm_free_bytes()` and `free_port()` answered on that host)."""
+    """Hosts are the provisioner's: `address`, and async `shm_free_bytes()` and `free_port()` run on that host."""
 
     kind: str
     trainer_host: object  # where the trainer's rank 0 runs: it writes the buffers, or sends the broadcast
@@ -47,9 +45,7 @@ class SyncPlan:
 
 
 async def plan(mode: str, trainer_host, generator_hosts: list, nbytes: int) -> SyncPlan:
-    """Resolve `generator.weight_sync` for this placement. Hosts are the same host when their addresses
-    are (two workers of one machine on one address share its /dev/shm). ValueError: a mode that cannot
-    work here, with the key."""
+    """Hosts are the same host when their addresses are (workers on one address share its /dev/shm)."""
     same_host = all(h.address == trainer_host.address for h in generator_hosts)
     if mode == "shm" and not same_host:
         elsewhere = sorted({h.address for h in generator_hosts} - {trainer_host.address})

