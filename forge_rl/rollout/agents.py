@@ -5,11 +5,8 @@
               v                                        v
         environment session              Episodes (one per segment, the rollout's reward) --> replay buffer
 
-Rollouts (rollouts.py) runs G agents per group exactly as it runs G games: `play_agent` has
-play_game's arguments and result. Each agent gets its own rollout and base URL; its requests reach the
-policy through the group's shared requests (games at the same prompt share one request of n samples)
-or, in evaluation, greedy answers cached per prompt, as the environment form's turns do. The agent
-returns its reward, or None to let the environment's last reward stand.
+Rollouts (rollouts.py) runs G agents per group as it runs G games: `play_agent` has play_game's arguments
+and result. The agent returns its reward, or None to let the environment's last reward stand.
 """
 
 from __future__ import annotations
@@ -26,9 +23,7 @@ from forge_rl.rollout.tools import call_tool_action, tool_result_text
 
 
 class EnvRecorder:
-    """The agent's environment session (EnvSession's reset and step), remembering the last result. Every
-    reset gets the run's `reset_args` (env.reset_args, or eval.reset_args over them in evaluation) under
-    the agent's own arguments."""
+    """The agent's environment session, remembering the last result; the agent's reset arguments go over `reset_args`."""
 
     def __init__(self, session, reset_args: dict | None = None):
         self.session, self.reset_args, self.last = session, dict(reset_args or {}), None
@@ -42,9 +37,7 @@ class EnvRecorder:
         return self.last
 
     async def call_tool(self, name: str, arguments: Any) -> str:
-        """Call a tool of an MCP tool environment (one step, OpenEnv's CallToolAction) and return its result
-        as the policy reads it (rollout/tools.py); `arguments` as an SDK's tool call gives them (JSON text or a
-        dict). Arguments that are not a JSON object come back as the error text, the episode unchanged."""
+        """One step; arguments that are not a JSON object come back as the error text, the episode unchanged."""
         try:
             action = call_tool_action(name, arguments)
         except ValueError as e:
@@ -67,15 +60,12 @@ class AgentContext:
     model: str  # the model name to ask for
     seed: int  # the group's seed: the G agents of a group face the same task
     env: EnvRecorder | None  # an environment session (reset / step / call_tool) when the config names one
-    # The run's HTTP connection pool for the SDKs' `http_client=` (an httpx2.AsyncClient, what openai and
-    # anthropic use). A client of its own costs an agent an SSL context (the SDK loads the CA certificates)
-    # and a new connection: more than a short agent's requests (docs/chat_agents.md). Owned by the run:
-    # an agent that shares it does not close its SDK client. None: the SDK makes its own.
+    # The run's HTTP pool for the SDKs' `http_client=`: a client of its own costs an agent an SSL context and a
+    # new connection (docs/chat_agents.md). Owned by the run: an agent that shares it does not close it.
     http_client: Any = None
     # With MCP_TOOLS: the environment's tools as OpenAI function specs, the SDK's `tools=` (rollout/tools.py).
     tools: list[dict] = field(default_factory=list)
-    # What the environment form scores an invalid answer (-rollout.invalid_action_penalty) and a game cut off
-    # (rollout.cutoff_reward, or a prompt past generator.max_model_len): the two forms of an app score alike.
+    # As the environment form scores an invalid answer and a cut-off game: the two forms of an app score alike.
     invalid_reward: float = 0.0
     cutoff_reward: float = 0.0
 
@@ -123,10 +113,7 @@ async def stop_chat_server(rollouts) -> None:
 
 
 async def play_agent(rollouts, seed: int, group_id: str, asks, reset_args: dict | None = None) -> GameResult:
-    """One agent run on its own rollout and environment session (play.py `play_game`'s contract).
-    `asks`: the group's SharedRequests or the evaluation's GreedyAnswers, which sample its replies.
-    `reset_args` is play_game's: an agent resets its environment itself (ctx.env, ctx.seed), and each
-    reset gets them (the config's env.reset_args when None)."""
+    """One agent run on its own rollout and environment session, with play.py `play_game`'s contract."""
     agents = await chat_agents(rollouts)
     server, cfg = agents.server, rollouts.cfg
     rollout = server.open_rollout(answer=asks.answer)

@@ -3,16 +3,12 @@
     games (SharedRequests, GreedyAnswers) --generate(prompt ids, sampling)--> RequestBatcher
         --generate_batch([(prompt ids, sampling), ...])--> one Generator replica --[[Completion], ...]--> games
 
-Each actor call costs a Monarch message each way, pickling and an asyncio round trip on both sides;
-with a tiny model on a few CPU cores that, not the model, bounded how fast games were played (one call
-per distinct prompt, hundreds per step). The batcher sends the requests the games in flight made
-meanwhile as one `Generator.generate_batch` call; the engine still batches them as concurrent
-requests (continuous batching), and each request keeps its own sampling, log-probs and version.
+Each actor call costs a Monarch message each way, pickling and an asyncio round trip; with a tiny model
+that, not the model, bounded how fast games were played. Each request keeps its own sampling and version.
 
-Policy (Nagle's, with a bound): a request is sent at once when fewer than `max_in_flight` calls are
-out; otherwise it waits for one to return, or at most `max_wait_s`, so a long generation never holds
-back the next games' requests by more than that. Nothing to tune per machine: on a busy engine the
-batches grow, on an idle one every request goes alone.
+Policy (Nagle's, with a bound): a request is sent at once when fewer than `max_in_flight` calls are out;
+otherwise it waits for one to return, or at most `max_wait_s`. On a busy engine the batches grow, on an
+idle one every request goes alone.
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ from forge_rl.core.types import Completion
 class RequestBatcher:
     """`generate(prompt_ids, sampling) -> list[Completion]`, as Rollouts.generate, for many concurrent callers.
 
-    `send(requests) -> results`: one call carrying every request, returning per request its list of
-    completions or the exception it raised (which that caller alone gets). Invariant: every request is
+    `send(requests) -> results`: per request its completions or its exception. Invariant: every request is
     sent exactly once and its caller gets its own result; a failed call fails only the requests it carried.
     """
 

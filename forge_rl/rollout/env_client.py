@@ -1,15 +1,9 @@
 """The client side of environments: one WebSocket session per episode.
 
-`EnvSession` speaks OpenEnv 0.10's protocol itself (wire.py; no openenv import) and adds what a training run
-needs from a remote environment:
-  - a timeout on every call (connect, reset, step), so a hung server cannot hang a rollout; a reset or step
-    that timed out ends the episode (EnvTimeout), never sent again: the server may still be working on it;
-  - reconnect-and-retry when the connection drops or the server restarts mid-episode, restoring
-    the episode on the new session (see `restore`); an episode that cannot be restored raises
-    `EpisodeAborted` and is dropped by the caller, never continued on a wrong state;
-  - waiting for a session while the server is full (CAPACITY_REACHED), up to `capacity_wait_s`;
-  - typed errors: `EnvCapacityError` (server at MAX_CONCURRENT_ENVS), `EnvError` (the server
-    refused a message; the session is still usable), `RewardError` (its reply's reward is no finite number).
+`EnvSession` speaks OpenEnv 0.10's protocol itself (wire.py; no openenv import) and adds what training needs:
+a timeout on every call, so a hung server cannot hang a rollout; reconnect and restore when the connection
+drops mid-episode; waiting while the server is full; typed errors. An episode that cannot be restored raises
+`EpisodeAborted` and is dropped, never continued on a wrong state.
 """
 
 from __future__ import annotations
@@ -33,8 +27,7 @@ class EnvError(RuntimeError):
 
 
 class EnvCapacityError(EnvError):
-    """The server already serves MAX_CONCURRENT_ENVS sessions: raise it there, or add replicas.
-    `max_sessions`: what the server said it accepts (None if it did not say)."""
+    """The server already serves MAX_CONCURRENT_ENVS sessions: raise it there, or add replicas."""
 
     max_sessions: int | None = None
 
@@ -46,7 +39,7 @@ class EpisodeAborted(RuntimeError):
 
 
 class EnvTimeout(EpisodeAborted):
-    """A reset or step got no answer within timeout_s: the episode ends, the request is not sent again."""
+    """Not sent again: the server may still be working on it."""
 
     reason = "env_timeout"
 
@@ -70,17 +63,12 @@ class EnvSession:
     """One episode at a time on one WebSocket session, restored if the connection is lost.
 
     restore: how to rebuild the episode on a new session after a drop.
-      "replay": reset with the same arguments (and the seed the server reported in
-                observation["seed"] if none was given), resend every acknowledged action, and
-                check the last observation is identical; for deterministic environments (BlackJack).
-      "reset":  reset with the same arguments, nothing else; for environments whose steps do
-                not depend on earlier ones (the code interpreter).
+      "replay": reset with the same arguments (and the seed the server reported), resend every acknowledged
+                action, and check the last observation is identical; for deterministic environments.
+      "reset":  reset with the same arguments only; for environments whose steps are independent.
       "none":   a drop after reset aborts the episode.
-    capacity_wait_s: a server at capacity (CAPACITY_REACHED) is asked again, with backoff, for this long
-    before EnvCapacityError; 0 raises at once.
-    Invariant: a call returns only observations of the episode as the caller has seen it; when
-    that cannot be guaranteed it raises EpisodeAborted. Not safe for concurrent use; open one
-    session per concurrent episode. close() ends the server's session (its slot is free again).
+    Invariant: a call returns only observations of the episode as the caller has seen it, else raises
+    EpisodeAborted. Not safe for concurrent use: one session per concurrent episode.
     """
 
     def __init__(
@@ -146,8 +134,7 @@ class EnvSession:
         try:
             return await self._call_with_retries(kind, payload)
         except EpisodeAborted:
-            # Whatever the connection holds now is not the caller's episode: end it, so a
-            # further step() fails loudly instead of acting on another state.
+            # The connection no longer holds the caller's episode: a further step() must fail loudly.
             await self._discard()
             self._reset_kwargs, self._actions, self._last, self._lost = None, [], None, False
             raise
@@ -186,8 +173,7 @@ class EnvSession:
         except ServerError as e:
             raise typed_error(e) from None
         except asyncio.TimeoutError:
-            # Unlike a dropped connection, the server may still be working on it (a hung reward function): sent
-            # again on a new session it would hold that one too, and so on up to max_restores sessions.
+            # Unlike a drop, the server may still be working on it: resent, it would hold one more session each time.
             raise EnvTimeout(f"{self.url}: no answer to a {kind} within timeout_s={self.timeout_s:g} s; the episode ends") from None
 
     async def _connect(self) -> None:

@@ -33,16 +33,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 class Evaluation:
-    """The run's evaluation: seeds eval.seed ... eval.seed + num_games - 1 with eval.reset_args over
-    env.reset_args; with eval.task_split, game i also resets on task i of that split (at most all of its
-    tasks), and each split of a list of them is evaluated so: the first's figures are eval/..., every
-    other's eval/<split>/.... With eval.samples n, every game is also played n times sampled (training
-    sampling, seeded), giving eval/sampled_pass_at_<k> for each k of eval.ks: the mean over games of pass_at_k,
-    a sample passing with a reward of at least eval.pass_reward. `references` holds the reference
-    policies' mean rewards on those games (played once), `last` the figures of the last evaluation (its
-    first two: the progress bar's headline), `samples` a few of its greedy games as text (the first
-    split's first seeds: the same deals at every evaluation), `sampled_rewards` split -> per game the
-    rewards of its sampled games (lost ones left out)."""
+    """Seeds eval.seed ... eval.seed + num_games - 1; with eval.task_split, game i plays task i of each split
+    (the first's figures are eval/..., the others' eval/<split>/...). With eval.samples n, each game is also
+    played n times at the training sampling: eval/sampled_pass_at_<k>, passing at eval.pass_reward or more.
+    `last`: the last evaluation's figures, its first two the progress bar's headline."""
 
     def __init__(self, rollouts: Rollouts):
         self.rollouts = rollouts
@@ -53,8 +47,8 @@ class Evaluation:
         self.references: dict[str, float] = {}  # "eval/reference/<name>" (eval/<split>/reference/...) -> mean reward
         self.split_references: list[dict[str, float]] = [{} for _ in self.splits]  # per split: name -> mean reward
         self.last: dict[str, float] = {}
-        self.samples: list[dict] = []
-        self.sampled_rewards: dict[str | None, list[list[float]]] = {}
+        self.samples: list[dict] = []  # a few greedy games as text: the first split's first seeds, the same deals each time
+        self.sampled_rewards: dict[str | None, list[list[float]]] = {}  # split -> per game, its sampled games' rewards
 
     def games(self, i: int = 0) -> list[tuple[int, dict]]:
         """(seed, reset arguments) of each evaluation game of the i-th split of eval.task_split."""
@@ -71,8 +65,7 @@ class Evaluation:
         return {f"eval/{self.splits[i]}/{k.removeprefix('eval/')}": v for k, v in values.items()}
 
     async def play_references(self) -> dict[str, float]:
-        """The app's REFERENCE_POLICIES on the evaluation seeds: what the model's figures are read against,
-        free of the seeds' luck. Played once per run."""
+        """What the model's figures are read against, free of the seeds' luck. Played once per run."""
         for i in range(len(self.splits)):
             for name, policy in self.rollouts.app.reference_policies.items():
                 returns = await asyncio.gather(*(self._play_reference(policy, s, args) for s, args in self.games(i)))
@@ -83,8 +76,7 @@ class Evaluation:
         return self.references
 
     async def _play_reference(self, policy, seed: int, reset_args: dict) -> float | None:
-        """One game of a reference policy (observation -> answer text, or None where it has no answer) on
-        its own session: its reward, None if it had no answer or was lost (as a game is, Rollouts.play)."""
+        """Its reward, None if the policy had no answer or the game was lost."""
         app = self.rollouts.app
         try:
             async with self.rollouts.sessions.session() as session:
@@ -100,8 +92,7 @@ class Evaluation:
             return None
 
     async def __call__(self) -> dict[str, float]:
-        """Greedy play on the seeds with the current weights: the app's eval_metrics, its headline first,
-        then pass@k; split after split."""
+
         values = {}
         for i in range(len(self.splits)):
             values.update(self.named(i, await self._evaluate(i)))
@@ -129,17 +120,14 @@ class Evaluation:
         return values
 
     async def _sampled(self, i: int, seed: int, reset_args: dict) -> list:
-        """eval.samples games of one evaluation game's seed and task at the training sampling, sharing
-        requests as a training group's games do, seeded from the run's seed, the split and the game's seed
-        (the same samples for the same weights)."""
+        """Seeded from the run's seed, the split and the game's seed: the same samples for the same weights."""
         rollouts, n = self.rollouts, self.rollouts.cfg.eval.samples
         shared = SharedRequests(rollouts.generate, n, rollouts.sampling(), seed=(rollouts.cfg.seed, "eval", self.splits[i], seed))
         return await gather_or_cancel(rollouts.play(seed, f"eval{seed}sampled", shared, reset_args) for _ in range(n))
 
 
 def pass_figures(rewards: list[list[float]], ks: list[int], pass_reward: float) -> dict[str, float]:
-    """eval/sampled_pass_at_<k>: pass_at_k's mean over the games, of each game's sampled rewards (a game with fewer than
-    k, its others lost, left out; a k no game has enough samples for, not reported)."""
+    """A game with fewer than k samples left (others lost) is left out; a k no game has enough for is not reported."""
     counts = [(len(task), sum(r >= pass_reward for r in task)) for task in rewards]
     values = {}
     for k in ks:

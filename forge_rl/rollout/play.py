@@ -1,9 +1,7 @@
-"""Playing one game: the prompt of each turn as token ids, the policy's answer, the environment's step,
-until the game is done; and what a game gives back. Nothing here knows the rules of any game: the prompt,
-the parsing of an answer and the reward are the app's (core/app.py).
+"""Playing one game: prompt ids, the policy's answer, the environment's step, until done. The rules are the app's.
 
-One game is one episode; its turns are one token record (core/episode.py): what the policy sampled is
-kept as sampled, each new observation is tokenized alone and appended.
+One game is one episode, one token record (core/episode.py): what the policy sampled is kept as sampled,
+and each new observation is tokenized alone and appended.
 """
 
 from __future__ import annotations
@@ -46,14 +44,9 @@ def prompt_ids(app: App, tokenizer, observation: dict, first_turn: bool, close_p
                template_kwargs: dict | None = None) -> list[int]:
     """Token ids of one user turn and the assistant header, tokenized on their own.
 
-    The first turn comes from the chat template (with the app's SYSTEM_PROMPT, if it has one, instead of
-    the template's default); later turns continue a conversation whose earlier ids are kept as sampled, so
-    only the new text is tokenized (never the whole conversation again). `close_previous`: the previous
-    answer stopped without the end-of-turn token (constrained decoding samples the answer alone; a stop
-    string or max_tokens cut it: play_game looks at its last id), so this turn starts by closing it with the
-    chat template's (segments.py `end_of_turn`), which need not be the eos. `template_kwargs`: the config's
-    model.chat_template_kwargs, for every turn. An app with tools (rollout/tools.py) has them rendered on its
-    first turn, and a tool's result as a `tool` message.
+    Earlier ids are kept as sampled, so only the new text is tokenized. `close_previous`: the previous answer
+    stopped without the end-of-turn token (constrained decoding, a stop string, max_tokens), so this turn
+    closes it with the template's own (segments.py `end_of_turn`), which need not be the eos.
     """
     kwargs = tuple(sorted((template_kwargs or {}).items()))
     system, tools = getattr(app, "system_prompt", None), getattr(app, "tools", ())
@@ -82,9 +75,8 @@ def unknown_words(tokenizer, text: str) -> list[str]:
 @functools.lru_cache(maxsize=4096)
 def _turn_ids(tokenizer, content: str, first_turn: bool, system: str | None, kwargs: tuple, role: str = "user",
               tools: str = "") -> tuple[str, tuple[int, ...]]:
-    """The text and ids of one user (or tool) turn (see prompt_ids); `tools`: the function specs as JSON, for
-    the first turn. Cached: a game's prompts repeat (BlackJack has a few hundred), and rendering the chat
-    template three times per turn cost more than the model."""
+    """`tools`: the function specs as JSON, for the first turn. Cached: a game's prompts repeat, and rendering
+    the template three times per turn cost more than the model."""
     render = functools.partial(tokenizer.apply_chat_template, tokenize=False, **dict(kwargs))
     message = {"role": role, "content": content}
     start = [{"role": "system", "content": system}] if system is not None else []
@@ -105,13 +97,10 @@ def _turn_ids(tokenizer, content: str, first_turn: bool, system: str | None, kwa
 
 
 def answer_token_ids(app: App, tokenizer) -> list[int]:
-    """For constrained decoding: the ids the policy may sample, each word of the app's ANSWER_VOCABULARY
-    (answers of up to sampling.max_tokens tokens, e.g. "x*7") or else of its ACTIONS (one token each).
+    """For constrained decoding: each word of the app's ANSWER_VOCABULARY, else of its ACTIONS, one token each.
 
-    The policy then samples only these ids (vLLM's allowed_token_ids), and the trainer and reference
-    renormalise every position over the same ids: behaviour and trained log-probs are of one and the
-    same distribution. The end-of-turn token after the answer is then the environment's, appended with
-    the next turn (not trained).
+    The trainer and reference renormalise over the same ids, so behaviour and trained log-probs are of one
+    distribution. The end-of-turn token is then appended with the next turn, untrained.
     """
     ids = []
     for answer in app.answers:
@@ -131,9 +120,7 @@ def answer_token_ids(app: App, tokenizer) -> list[int]:
 
 
 def sampling_params(config: SamplingConfig, allowed_token_ids: list[int] | None, greedy: bool = False, answer_length: int = 1) -> dict:
-    """The generator's sampling dict: the config's (greedy for evaluation), restricted to the answer ids
-    when decoding is constrained. An answer ended by a stop string keeps it in its text (the app sees the
-    closing fence) and its ids all the tokens sampled, the last one whole (its text may run past the stop)."""
+    """An answer ended by a stop string keeps it in its text, so the app sees the closing fence."""
     params = {"temperature": 0.0 if greedy else config.temperature, "max_tokens": config.max_tokens}
     if not greedy:
         params["top_p"] = config.top_p
@@ -145,10 +132,8 @@ def sampling_params(config: SamplingConfig, allowed_token_ids: list[int] | None,
 
 
 async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict | None = None) -> GameResult:
-    """One whole game on its own environment session: observe, ask the policy, act, until done.
-    `rollouts`: the run's Rollouts (rollouts.py, which calls this), for its config, app, tokenizer and sessions.
-    `asks`: where the game's answers come from (requests.py), shared with the other games of its group or
-    evaluation. `reset_args`: besides the seed (the config's env.reset_args, or eval.reset_args over them)."""
+    """One whole game on its own environment session. `asks` (requests.py) is shared with the other games of
+    its group; `reset_args` default to the config's env.reset_args."""
     cfg, app, tokenizer = rollouts.cfg, rollouts.app, rollouts.tokenizer
     clock = {"env": 0.0, "policy": 0.0}
 
@@ -174,8 +159,7 @@ async def play_game(rollouts, seed: int, group_id: str, asks, reset_args: dict |
             if turn:
                 unclosed = record.token_ids[-1] != end_of_turn(tokenizer)[1]
                 prompt = prompt_ids(app, tokenizer, observation, False, unclosed, template) + opening_ids
-            # vLLM refuses a prompt of max_model_len tokens (tool outputs can grow one past it): the game is cut
-            # off there, as at max_turns, its earlier turns kept
+            # vLLM refuses a prompt of max_model_len tokens: cut off there, as at max_turns
             if overflowed := len(record.token_ids) + len(prompt) >= cfg.generator.max_model_len:
                 break
             record.add_prompt(prompt)

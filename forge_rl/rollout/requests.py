@@ -15,19 +15,12 @@ from forge_rl.core.types import Completion
 class SharedRequests:
     """The games of a group ask the policy together: games at the same prompt share one request of n samples.
 
-    A group's games are dealt from one seed and the environment is deterministic in its seed and the
-    actions taken, so games that have answered alike so far stand at the same prompt: all G of them at
-    the first turn, and at each later turn those that sampled the same answers. One request for n samples
-    costs one message and one prefill where n requests cost n of each (on 2 CPU cores per-request
-    overhead, not the model, bounds how fast games are played). How many games will reach a prompt is
-    known from the request before it: those that drew the same answer there. Each sample goes to one
-    game only. A game whose prompt is not the one its siblings reached (an environment that is not
-    deterministic in its seed) asks alone. `generate(prompt_ids, sampling) -> list[Completion]`.
+    A group's games are dealt from one seed in a deterministic environment, so games that answered alike so far
+    stand at the same prompt; one request of n samples costs one message and one prefill instead of n. Each
+    sample goes to one game only; a game whose prompt differs from its siblings' asks alone.
 
-    With `seed` (the run's seed and the group's deal) every request carries a vLLM sampling seed derived
-    from it, the prompt and how many requests that prompt had before in this group: the group's games
-    are then a function of the weights and the deal alone, whatever the timing, so a resumed run samples
-    what the uninterrupted run sampled (vLLM gives the n samples of one request seeds seed, seed + 1, ...).
+    With `seed`, every request's vLLM seed derives from it, the prompt and that prompt's earlier requests in
+    the group, so the games depend on the weights and the deal alone and a resumed run samples the same.
     """
 
     def __init__(self, generate, group_size: int, sampling: dict, seed: tuple | None = None):
@@ -71,10 +64,8 @@ def request_seed(base: tuple, prompt: tuple, k: int) -> int:
 
 
 class GreedyAnswers:
-    """An evaluation's answers, one request per distinct prompt: greedy decoding is a function of the
-    prompt (and the weights, which do not change during an evaluation), so games that reach the same
-    prompt get the same answer without asking again. Thousands of deals then cost a few hundred
-    requests, and evaluating on many deals (a precise EV) costs little more than on a few."""
+    """Greedy decoding is a function of the prompt under fixed weights, so games reaching the same prompt share
+    one answer, and many deals cost little more than a few."""
 
     def __init__(self, generate, sampling: dict):
         self.generate, self.sampling = generate, sampling

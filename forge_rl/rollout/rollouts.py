@@ -2,13 +2,8 @@
 
     rollouts.group(seed) -> G episodes dealt from one seed (None when one of them was lost)
 
-It owns the environment sessions, the batcher that sends the games' requests to the policy together,
-the chat server of agent apps, and its counters (games played and lost, groups lost by reason, the recent
-rewards the progress bar shows). The policy is any object with `route(endpoint, ...)` (a Service of Generators).
-
-A game that raises (a reward that is no finite number, a step that timed out, its session lost, the server's
-refusal, an app's or agent's error) costs its group, never the run: the group is dropped, its other games
-cancelled, and counted by reason (an error's `reason`, else its type's name), said in run.log once.
+A game that raises costs its group, never the run: the group is dropped, its other games cancelled, and
+counted by reason (an error's `reason`, else its type's name), said in run.log once.
 """
 
 from __future__ import annotations
@@ -34,8 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 async def gather_or_cancel(coroutines) -> list:
-    """asyncio.gather, except that once one raises, the others are cancelled and waited for before its error
-    propagates: the sibling games of a lost group must not play on, holding sessions and engine load."""
+    """Once one raises, the others are cancelled: a lost group's games must not play on, holding sessions."""
     tasks = [asyncio.ensure_future(c) for c in coroutines]
     try:
         return await asyncio.gather(*tasks)
@@ -58,8 +52,7 @@ class NoEpisode(RuntimeError):
 
 
 class Rollouts:
-    """Lifecycle: constructed once the policy service is up; `group` and `play` any number of times,
-    concurrently; `close` at the end (sessions, the chat server)."""
+
 
     def __init__(self, cfg: RunConfig, app: App, tokenizer, policy, env_url: str, allowed_token_ids: list[int] | None):
         self.cfg, self.app, self.tokenizer, self.policy = cfg, app, tokenizer, policy
@@ -83,16 +76,14 @@ class Rollouts:
         return sampling_params(self.cfg.sampling, self.allowed_token_ids, greedy, self.answer_length)
 
     async def generate(self, prompt_ids: list[int], params: dict) -> list[Completion]:
-        """One request to the policy service, sent with those of the other games in flight in one call
-        to whichever generator replica it routes to."""
+        """Batched with the other games' requests in flight into one call per replica."""
         if self.batcher is None:
             send = lambda requests: self.policy.route("generate_batch", requests)  # noqa: E731
             self.batcher = RequestBatcher(send, max_in_flight=len(self.policy.replicas))
         return await self.batcher.generate(prompt_ids, params)
 
     async def play(self, seed: int, group_id: str, asks, reset_args: dict | None = None) -> GameResult:
-        """One game, or one agent run for an agent app (same arguments, same result); one that raised is a lost
-        game (an evaluation leaves it out)."""
+        """One game, or one agent run for an agent app; one that raised is a lost game."""
         try:
             return await self.game(seed, group_id, asks, reset_args)
         except Exception as e:
@@ -105,8 +96,7 @@ class Rollouts:
         return await play_game(self, seed, group_id, asks, reset_args)
 
     def lost(self, error: Exception) -> str:
-        """The reason `error` lost a game: its `reason`, else its type's name; said in run.log the first time
-        (with the traceback of an error no reason names)."""
+        """Said in run.log the first time, with the traceback of an error no reason names."""
         reason, self.last_abort = getattr(error, "reason", type(error).__name__), first_line(error)
         if reason not in self.reasons_said:
             self.reasons_said.add(reason)
@@ -115,8 +105,7 @@ class Rollouts:
         return reason
 
     def task_reset_args(self, seed: int) -> dict | None:
-        """With env.task_split, the group's task: the split and an index drawn from the run's and the group's
-        seeds (the same task on a resumed run), over env.reset_args; None without a split (seeds alone)."""
+        """With env.task_split, an index drawn from the run's and the group's seeds: the same task on a resumed run."""
         split = self.cfg.env.task_split
         if split is None:
             return None
@@ -124,8 +113,7 @@ class Rollouts:
         return {**self.cfg.env.reset_args, "split": split, "index": index}
 
     async def group(self, seed: int) -> list[Episode] | None:
-        """G games dealt from one seed (on one task with env.task_split): the group GRPO compares (same
-        cards, different decisions)."""
+        """G games dealt from one seed: the group GRPO compares (same cards, different decisions)."""
         size, reset_args = self.cfg.grpo.group_size, self.task_reset_args(seed)
         shared = SharedRequests(self.generate, size, self.sampling(), seed=(self.cfg.seed, seed))
         try:
@@ -153,8 +141,7 @@ class Rollouts:
             raise GroupsLost(f"the last {self.groups_lost_in_a_row} groups were lost, the last to {reason} ({self.last_abort}){hint}")
 
     def samples(self, results: list[GameResult]) -> list[dict]:
-        """The first SAMPLES_PER_EVENT games of `results` to read: each turn's prompt as the policy read it
-        (chat template included) and its answer, decoded, the action parse_action made of it, the reward."""
+        """The first SAMPLES_PER_EVENT games as the policy read them (chat template included), decoded."""
         def turn(prompt, answer, action):
             return {"prompt": self.tokenizer.decode(prompt, skip_special_tokens=False), "answer": answer, "action": action}
 

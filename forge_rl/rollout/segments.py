@@ -1,18 +1,13 @@
 """The exact token record of one chat-agent rollout, and how each chat request extends it.
 
-An agent speaks in messages; the trainer needs the ids the policy sampled. Re-tokenizing a rendered
-conversation does not give them back (a byte-level BPE merges across the boundary between a reply and
-what follows; templates rewrite history), so the record keeps the ids themselves (Molt's segment
-sealing, without its flaws: every message after the reply counts, not only the last; the text the
-template puts after the end-of-turn token is kept; replies are compared with their tool calls).
+Re-tokenizing a rendered conversation does not give back the sampled ids (byte-level BPE merges across a
+reply's boundary; templates rewrite history), so the record keeps the ids themselves (Molt's segment sealing).
 
-A request EXTENDS the open segment when its messages are the previous request's messages, then the
-reply the server gave (content and tool calls; ids ignored), then any number of new messages, and the
-template renders the previous prompt and the reply as a prefix of the new conversation. The new prompt
-is then the segment's ids so far, the end-of-turn id if the reply stopped without it (the template's own,
-which need not be the tokenizer's eos), and the ids of the text that follows the reply (the template's
-text after its end-of-turn token, every new message, the generation prompt) tokenized alone. Otherwise
-the segment is SEALED with a reason and a new one starts from a full render of the request:
+A request EXTENDS the open segment when its messages are the previous request's, then the reply the server
+gave (content and tool calls), then new messages, and the template renders the previous prompt and the reply
+as a prefix of the new conversation. The new prompt is then the segment's ids, the template's end-of-turn id
+if the reply stopped without it, and the text after the reply tokenized alone. Otherwise the segment is SEALED
+with a reason and a new one starts from a full render:
 
     compaction        the history before the reply is not the previous request's (turns dropped, summarised)
     assistant_edited  an assistant message differs from what the policy said, or the reply is missing
@@ -37,8 +32,7 @@ SEAL_REASONS = ("compaction", "assistant_edited", "template_rewrite")
 
 
 def normalize_message(message: dict) -> dict:
-    """A chat message as compared and rendered: content as one string, tool calls as name + parsed
-    arguments (ids dropped: an agent may rename them, no template renders them), no other fields."""
+    """A message as compared and rendered; tool call ids dropped: an agent may rename them, no template renders them."""
     content = message.get("content")
     if isinstance(content, list):  # OpenAI content parts: only text reaches a text model
         content = "".join(p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type") == "text")
@@ -65,16 +59,14 @@ def _arguments(arguments) -> object:
 
 
 class Renderer:
-    """The model's chat template and tokenizer: text of messages, ids of text (tokenized alone), and the
-    template's end-of-turn token (`end_id`, `end_text`)."""
+    """The model's chat template and tokenizer, and the template's end-of-turn token."""
 
     def __init__(self, tokenizer, template_kwargs: dict | None = None):
         self.tokenizer, self.template_kwargs = tokenizer, dict(template_kwargs or {})  # model.chat_template_kwargs
         self.end_text, self.end_id = end_of_turn(tokenizer)
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
-        """The messages by the chat template, with `tools` in its tool format; a template without one (it
-        renders the same text without them) gets them in the system message, as the environment form does."""
+        """A template without a tool format gets the tools in the system message, as the environment form does."""
         text = self._apply(messages, tools, generation_prompt)
         if tools and text == self._apply(messages, None, generation_prompt):
             system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
@@ -93,10 +85,8 @@ class Renderer:
 
 @functools.lru_cache(maxsize=16)
 def end_of_turn(tokenizer) -> tuple[str, int]:
-    """The token the chat template closes an assistant turn with, read from the template itself: a base
-    model's eos (Qwen's <|endoftext|>) need not be it (its ChatML template closes turns with <|im_end|>).
-    The eos when the template puts no special token right after the reply. (text, id); the one definition
-    both forms of an app use (play.py too), cached per tokenizer since every turn asks."""
+    """(text, id) of the token the template closes an assistant turn with: a base model's eos (Qwen's
+    <|endoftext|>) need not be it. The eos when the template puts no special token after the reply."""
     mark = "forge_rl_reply_end"
     conversation = [{"role": "user", "content": "u"}, {"role": "assistant", "content": mark}]
     try:
@@ -116,8 +106,7 @@ class Segment(EpisodeRecord):
     """Token ids of one stretch of a rollout that the policy saw as one growing prompt."""
 
     sealed_reason: str | None = None  # why no later request extends it (SEAL_REASONS); None while open
-    # What the ids stand for, to judge the next request: the last request's (normalized) messages, the
-    # reply it got, and its render with the generation prompt.
+    # What the ids stand for, to judge the next request.
     messages: list[dict] = field(default_factory=list, repr=False)
     reply: dict | None = field(default=None, repr=False)
     prompt_text: str = field(default="", repr=False)
@@ -143,11 +132,7 @@ class Plan:
 
 
 def plan_request(renderer: Renderer, segment: Segment | None, messages: list[dict], tools: list[dict] | None) -> Plan:
-    """How a request (normalized messages) continues the record whose last segment is `segment`.
-
-    Pure: nothing changes until the caller commits the plan after the policy answered, so a request
-    that fails (a prompt too long, a lost replica) leaves the record as it was.
-    """
+    """Pure: nothing changes until `commit`, so a failed request leaves the record as it was."""
     prompt_text = renderer.render(messages, tools, True)
     if segment is None or segment.sealed_reason or segment.reply is None:
         return Plan(True, renderer.ids(prompt_text), prompt_text)

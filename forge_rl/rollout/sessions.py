@@ -19,13 +19,9 @@ logger = logging.getLogger(__name__)
 
 
 class SessionPool:
-    """At most `size` environment sessions: games beyond them queue here for a free one. Each session is
-    kept open and reused for one game after another (a WebSocket connection per game would cost more than
-    the game); a session that raised out of a game is closed, not reused. Sized to what the server accepts
-    (fit_sessions_to_server), a run never holds more sessions than that, so a one-session server serves a
-    whole run; a server full of another client's sessions is asked again for `capacity_wait_s`. A server that
-    says it holds fewer (CAPACITY_REACHED's max_sessions; one whose /health did not say) shrinks the pool to
-    that, a slot given up as each game holding one ends, so its games queue here instead of at the server."""
+    """At most `size` sessions, each reused game after game (a connection per game would cost more than the game);
+    one that raised is closed. Sized to what the server accepts, so even a one-session server serves a whole run;
+    a server reporting fewer (CAPACITY_REACHED's max_sessions) shrinks the pool as games end."""
 
     def __init__(self, url: str, size: int, timeout_s: float, capacity_wait_s: float = 0.0):
         self.url, self.timeout_s, self.capacity_wait_s = url, timeout_s, capacity_wait_s
@@ -68,8 +64,7 @@ class SessionPool:
 
 
 def server_capacity(url: str, timeout_s: float) -> int | None:
-    """The sessions the server at `url` accepts, from its /health (`max_concurrent_envs`, which forge_rl's
-    servers report); None when it does not say. ConfigError if /health does not answer."""
+    """From /health's `max_concurrent_envs` (forge_rl's servers report it); None when it does not say."""
     health_url = url.replace("ws://", "http://").replace("wss://", "https://").rstrip("/") + "/health"
     try:
         with urllib.request.urlopen(health_url, timeout=timeout_s) as response:
@@ -81,10 +76,8 @@ def server_capacity(url: str, timeout_s: float) -> int | None:
 
 
 def fit_sessions_to_server(url: str, wanted: int, group_size: int, timeout_s: float, queue: bool = True) -> int:
-    """How many sessions the run's pool may hold against the server at `url`: `wanted` (env.max_concurrent),
-    or the server's capacity when that is smaller, said once. A server that cannot hold one group's games
-    at once has them queue for its sessions (`queue`, env.queue_sessions), or else stops the run here,
-    before anything is launched, naming both numbers and both fixes."""
+    """`wanted` or the server's smaller capacity. A server that cannot hold one group's games at once stops the
+    run here, before anything is launched, unless `queue` (env.queue_sessions)."""
     capacity = server_capacity(url, timeout_s)
     if capacity is None or capacity >= wanted:
         return wanted
@@ -103,9 +96,7 @@ def fit_sessions_to_server(url: str, wanted: int, group_size: int, timeout_s: fl
 
 
 def task_split_sizes(url: str, cfg) -> dict[str, int]:
-    """{split: its number of tasks} for env.task_split and each of eval.task_split, asked of the server at `url`. A
-    split the server does not list, an empty one, or a server without the Task API stops the run with one line
-    naming the key."""
+    """{split: its number of tasks} for env.task_split and each of eval.task_split."""
     sizes = {}
     for key, split in [("env.task_split", cfg.env.task_split)] + [("eval.task_split", s) for s in cfg.eval.splits]:
         if split is None or split in sizes:
@@ -122,10 +113,8 @@ def task_split_sizes(url: str, cfg) -> dict[str, int]:
 
 
 async def check_reset_args(url: str, cfg) -> None:
-    """Reset once with each set of arguments the run will send: env.reset_args (on the first task of
-    env.task_split), then eval.reset_args over them (on each eval split). A server that refuses one (an
-    unknown task set, a bad option) stops the run before it trains (a running server's before any engine starts),
-    naming the key and the server's reason; otherwise every game would be lost to the same error, group by group."""
+    """Reset once with each set of arguments the run will send: a refusal stops the run before it trains,
+    instead of losing every group to the same error."""
     def on_first_task(arguments: dict, split: str | None) -> dict:
         return {**arguments, "split": split, "index": 0} if split else arguments
 

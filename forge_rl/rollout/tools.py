@@ -1,24 +1,16 @@
 """MCP tool environments as the policy's tools: an OpenEnv `MCPEnvironment` trains unmodified.
 
-An app that sets `MCP_TOOLS = True` (core/app.py) plays its episodes by tool calls. At the start of a run the
-server's tools are listed (MCP tools/list over the session's WebSocket, wire.py; no reset needed) and become
-function specs, `{"type": "function", "function": {"name", "description", "parameters": <its JSON schema>}}`,
-the form chat templates and the OpenAI API take. Then each game (play.py):
+An app with `MCP_TOOLS = True` (core/app.py) acts by tool calls. At the start of a run the server's tools
+(MCP tools/list) become the function specs chat templates and the OpenAI API take. Each game (play.py):
 
-    the first turn     the app's render_prompt(reset observation), with the tools passed to the chat template
-                       (`apply_chat_template(..., tools=...)`); a template without a tool format gets them as a
-                       Hermes-style block in the system message instead (`tools_in_system`)
-    the answer         its first <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes, Qwen), read by
-                       vLLM's Hermes tool parser as the chat server's `chat.tool_parser: hermes` reads it, becomes
-                       OpenEnv's CallToolAction `{"type": "call_tool", "tool_name", "arguments"}`, sent as a step;
-                       an answer without one is invalid (the episode ends, rollout.invalid_action_penalty)
-    the next turn      the tool's result (a CallToolObservation: its text content, or the error the server
-                       reported) as a `tool` message, rendered by the chat template
-    the reward         the environment's: the observation's reward once it says done (terminal_reward)
+    the first turn     render_prompt(reset observation) with the tools passed to the chat template; a template
+                       without a tool format gets them in the system message (`tools_in_system`)
+    the answer         its first Hermes <tool_call>, read by vLLM's Hermes parser (as `chat.tool_parser: hermes`),
+                       becomes OpenEnv's CallToolAction; an answer without one is invalid
+    the next turn      the tool's result, or the server's error, as a `tool` message
+    the reward         the environment's, once it says done
 
-An agent app (`run_agent`, agents.py) with MCP_TOOLS gets the same tools as `ctx.tools`, the `tools=` of any
-OpenAI SDK, and `ctx.env.call_tool(name, arguments)`; the chat server renders them the same way (segments.py)
-and its tool parser (`chat.tool_parser`) turns the policy's calls into the reply's tool_calls.
+An agent app (agents.py) gets the same tools as `ctx.tools` and `ctx.env.call_tool(name, arguments)`.
 """
 
 from __future__ import annotations
@@ -52,8 +44,7 @@ async def list_tools(url: str, timeout_s: float) -> list[dict[str, Any]]:
 
 
 def tools_in_system(system: str | None, tools) -> str:
-    """The system message of a chat template without a tool format: the app's system prompt, then the tools
-    listed as HERMES_TOOLS says (both forms of an app render tools with this one definition)."""
+    """For a chat template without a tool format; both forms of an app render tools with this one definition."""
     listed = "\n".join(json.dumps(spec) for spec in tools)
     return "\n\n".join(filter(None, [system, HERMES_TOOLS.format(tools=listed)]))
 
@@ -68,8 +59,8 @@ def function_specs(tools: list[Mapping[str, Any]]) -> tuple[dict, ...]:
 
 
 async def with_tools(app, url: str, timeout_s: float):
-    """The app with the server's tools (for an app with MCP_TOOLS; any other app as it is), and the tool-call
-    parser as its parse_action unless it has its own (an agent app parses nothing: the chat server does)."""
+    """The app with the server's tools and, unless it has its own, the tool-call parser as parse_action (an
+    agent app parses nothing: the chat server does)."""
     if not app.uses_tools:
         return app
     specs = function_specs(await list_tools(url, timeout_s))
@@ -92,9 +83,8 @@ def call_tool_action(name: str, arguments: Mapping | str | None) -> dict:
 
 
 def parse_tool_call(text: str, observation: Any = None) -> dict | None:
-    """The answer's first tool call as a call_tool action, or None when it has none a server could call (no
-    <tool_call> block, not JSON, no name, arguments not an object); any text the policy writes. A call of an
-    unknown tool is sent as it is: the environment's answer (tool_not_found) is what the policy learns from."""
+    """The answer's first tool call as a call_tool action, or None when it has none a server could call.
+    A call of an unknown tool is sent as it is: the environment's tool_not_found is what the policy learns from."""
     calls = _hermes().extract_tool_calls(text, None).tool_calls  # any error of its reading is "no call"
     try:
         return call_tool_action(calls[0].function.name, calls[0].function.arguments) if calls else None
@@ -104,9 +94,8 @@ def parse_tool_call(text: str, observation: Any = None) -> dict | None:
 
 @functools.cache
 def _hermes():
-    """vLLM's Hermes tool parser. Reading a whole answer needs no tokenizer (only streaming does), and this one
-    parses in the training loop, before any tokenizer: it gets a placeholder. A malformed call is the policy's
-    answer, not a fault: vLLM's traceback of each is left out of run.log."""
+    """A placeholder tokenizer: only streaming needs one. vLLM's traceback of each malformed call is silenced:
+    it is the policy's answer, not a fault."""
     from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser, logger
 
     logger.setLevel(logging.CRITICAL)
@@ -119,8 +108,7 @@ def is_tool_result(observation: Mapping) -> bool:
 
 
 def tool_result_text(observation: Mapping) -> str:
-    """A CallToolObservation as the policy reads it: the result's text content (MCP's CallToolResult), a plain
-    result as it is, or the error the server reported for a call it could not make."""
+
     error, result = observation.get("error"), observation.get("result")
     if error:
         return f"error ({error.get('error_type')}): {error.get('message')}" if isinstance(error, Mapping) else f"error: {error}"

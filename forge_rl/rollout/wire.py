@@ -1,6 +1,5 @@
-"""OpenEnv 0.10's wire protocol, spoken without importing openenv: the training side reaches environment
-servers over HTTP and one WebSocket per session, so its virtualenv needs no OpenEnv (whose MCP pins clash
-with vLLM's; the servers run in a virtualenv of their own, docs/environments.md).
+"""OpenEnv 0.10's wire protocol, spoken without importing openenv, whose MCP pins clash with vLLM's (the servers
+run in a virtualenv of their own, docs/environments.md).
 
 The protocol, as openenv/core/env_server/http_server.py serves it:
   WebSocket {url}/ws, one session (one environment instance) per connection. The client sends
@@ -75,8 +74,7 @@ class Connection:
 
     async def open(self) -> "Connection":
         loopback = any(h in self.url for h in ("://localhost", "://127.0.0.1", "://[::1]"))
-        # Without per-message compression: messages are a few hundred bytes, deflate saves little on the wire
-        # and its CPU is the controller's, which drives every game. No proxy on loopback.
+        # No compression: messages are small, and deflate's CPU is the controller's, which drives every game.
         self.ws = await connect(self.url, open_timeout=self.connect_timeout_s, max_size=MAX_MESSAGE_BYTES,
                                 compression=None, proxy=None if loopback else True)  # fmt: skip
         return self
@@ -100,8 +98,7 @@ class Connection:
             raise ServerError(self.url, {"code": "PROTOCOL", "message": f"answered a {kind} with a {message.get('type')!r} message, not "
                                          f"OpenEnv 0.10's observation; the server runs openenv {runs or '(its /health does not say)'}"})
         payload = message.get("data", {})
-        # A reward is a finite number or none (not done yet; OpenEnv's server sends a NaN or inf as none, so a server
-        # must check its own, as the dataset server does); anything else is this episode's error.
+        # OpenEnv's server sends a NaN or inf reward as none, so a server must check its own (the dataset server does).
         reward = None if payload.get("reward") is None else checked_reward(payload["reward"], f"{self.url}'s reply")
         done = bool(payload.get("done", False))
         return StepResult({**payload.get("observation", {}), "reward": reward, "done": done}, reward, done)
@@ -145,8 +142,7 @@ def openenv_version(url: str) -> str | None:
 
 
 def task_split_size(url: str, split: str, timeout_s: float) -> tuple[int | None, list[str]]:
-    """(number of tasks in `split`, or None when the server has no such split; the splits it has), from the
-    server's Task API. RuntimeError naming the server when it serves no Task API."""
+    """(number of tasks in `split` or None when there is no such split, the splits the server has)."""
     try:
         (name, *_) = get_json(url, "/list_environments", timeout_s)
         splits = [s["name"] if isinstance(s, dict) else str(s) for s in get_json(url, f"/{name}/splits", timeout_s)]
