@@ -1,9 +1,7 @@
 """Where a run's numbers go: TensorBoard, optionally Weights & Biases, a JSON-lines file, and a PNG curve.
 
-One `log(step, values)` call sends a dict of scalars everywhere; the JSON-lines file (metrics.jsonl in
-the run directory) is the record the learning-curve PNG is drawn from, and what tests read.
-`log_samples(step, kind, samples)` sends a few games as text (rollout/rollouts.py `samples`) to
-samples.jsonl, TensorBoard's text tab and a W&B table: what the model answers, not only how it scores.
+metrics.jsonl is the record the PNG is drawn from and tests read; samples.jsonl holds a few games as text:
+what the model answers, not only how it scores.
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ class MetricsLogger:
             self.wandb.log(values, step=step)
 
     def log_samples(self, step: int, kind: str, samples: list[dict]) -> None:
-        """A few games of `kind` ("train" or "eval") as text: a samples.jsonl row each, one TensorBoard text
-        entry, one W&B table."""
+
         with self.samples_path.open("a") as f:
             for sample in samples:
                 f.write(json.dumps({"step": step, "kind": kind, **sample}, default=str) + "\n")
@@ -55,8 +52,7 @@ class MetricsLogger:
             self.wandb.log({f"samples/{kind}": wandb.Table(columns=["reward", "invalid", "game"], data=rows)}, step=step)
 
     def drop_after(self, step: int) -> None:
-        """Forget the JSON-lines rows (metrics and samples) of steps after `step`: a run resumed from that
-        step's checkpoint logs them again (TensorBoard and W&B keep both)."""
+        """A run resumed from `step`'s checkpoint logs later steps again (TensorBoard and W&B keep both)."""
         for path in (self.path, self.samples_path):
             if path.exists():
                 path.write_text("".join(r for r in path.read_text().splitlines(True) if json.loads(r)["step"] <= step))
@@ -88,8 +84,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def plot_curves(run_dir: Path, curves: dict[str, str], references: dict[str, float], out_name: str = "learning_curve.png") -> Path:
-    """Draw each metric named in `curves` ({metric key: label}) against step, with horizontal reference
-    lines ({label: value}); saved as a PNG in the run directory."""
+    """`curves`: {metric key: label}; `references`: horizontal lines {label: value}."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,10 +1,7 @@
 """What a run checks before it starts anything, and all that `python -m forge_rl.config` checks: the names in
-the config resolve (app_module, env.server, env.url, env.dataset and its splits, model.path), the tiny model knows the app's words,
-Weights & Biases can log, and this host has the GPUs a local run places on it. Nothing is started,
-downloaded or converted. Each failure is a ConfigError: one line naming the key.
-
-The schema's own checks (types, ranges, keys that must agree) ran when the config was loaded; these need
-the app, the environment's module or the model, hence here and not in core/config/.
+the config resolve, the tiny model knows the app's words, Weights & Biases can log, and this host has the GPUs
+a local run places on it. Nothing is started, downloaded or converted; each failure is a one-line ConfigError.
+These need the app, the environment's module or the model, hence here and not in core/config/.
 """
 
 from __future__ import annotations
@@ -62,9 +59,7 @@ def inert_keys(cfg: RunConfig) -> list[tuple[str, str]]:
 
 
 def check_env(server: str | None, url: str | None, server_python: str | None = None) -> None:
-    """env.server names a module that exists and defines the class (else its failure to start would be the
-    server's whole traceback, after seconds), and the server virtualenv is there; env.url is a URL. The
-    module is read, not imported: it imports openenv, which lives in the server virtualenv only."""
+    """The module is read, not imported: it imports openenv, which lives in the server virtualenv only."""
     if server is not None:
         try:
             module, _, name = server.partition(":")
@@ -86,8 +81,7 @@ def check_env(server: str | None, url: str | None, server_python: str | None = N
 
 
 def check_dataset(cfg: RunConfig) -> None:
-    """env.dataset is read as its server will read it (envs/rows.py): the file is there, every row has a text
-    prompt, and env.task_split and eval.task_split are among its splits."""
+    """env.dataset read as its server will read it (envs/rows.py)."""
     env = cfg.env
     if env.dataset is None:
         if env.test_fraction:
@@ -110,11 +104,8 @@ def check_dataset(cfg: RunConfig) -> None:
 
 
 def check_model(cfg: RunConfig, app: App) -> None:
-    """model.path names a model (file, package:, directory; a hub id is taken as one, not downloaded), and then
-    the config states its learning rate (the default is the tiny model's). With
-    the tiny model (model.path null), whose tokenizer knows a fixed list of words, the app's answers and the
-    prompt it renders for its SAMPLE_OBSERVATION must be words of that list: an unknown word would reach the
-    policy as [UNK]."""
+    """A real model needs its own learning rate (the default is the tiny model's). With the tiny model, the app's
+    answers and its SAMPLE_OBSERVATION's prompt must be words it knows: an unknown word reaches the policy as [UNK]."""
     try:
         kind = model_kind(cfg.model.path)
     except (ValueError, OSError, ImportError) as e:
@@ -145,8 +136,7 @@ def check_model(cfg: RunConfig, app: App) -> None:
 
 
 def check_wandb(project: str | None) -> None:
-    """Weights & Biases is refused here, not after the actors have started: the package must be installed
-    and an API key at hand (WANDB_API_KEY, or `wandb login`'s ~/.netrc), unless WANDB_MODE keeps it local."""
+    """Here, not after the actors have started: the package and an API key, unless WANDB_MODE keeps it local."""
     if not project:
         return
     if importlib.util.find_spec("wandb") is None:
@@ -162,8 +152,7 @@ def check_wandb(project: str | None) -> None:
 
 
 def check_gpus(cfg: RunConfig) -> None:
-    """A local run on a host with GPUs gives each process of the trainer, every generator replica and every
-    reference replica a GPU of its own (runtime/provisioner.py); more than the host has cannot start."""
+    """A local run gives every trainer, generator and reference process a GPU of its own (runtime/provisioner.py)."""
     if cfg.cluster.mode != "local" or not os.path.exists("/dev/nvidiactl"):
         return
     import torch

@@ -26,10 +26,8 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
 
 
 async def save_checkpoint(trainer, run_dir: str, state: RunState, timeout_s: float) -> dict[str, float]:
-    """The trainer's state, and beside it the run's (progress.json) and the policy as an HF directory;
-    latest.json is a copy of the newest progress.json. Paths are relative to the checkpoints folder, so a run
-    directory can be moved or copied, and any checkpoint resumed from by copying its progress.json over
-    latest.json. Returns the sizes and times of each part, as the metrics log them."""
+    """Paths are relative to the checkpoints folder, so a run directory can be moved, and any checkpoint resumed
+    from by copying its progress.json over latest.json."""
     folder = checkpoint_dir(run_dir)
     path = folder / f"step_{state.step:06d}"
     clock = time.perf_counter()
@@ -61,8 +59,7 @@ def last_checkpoint(run_dir: str | Path) -> dict | None:
 
 
 async def resume(trainer, run_dir: str, timeout_s: float) -> RunState:
-    """Load the last checkpoint into the trainer; returns the run's state as it was then. The caller
-    publishes the restored weights to the generators."""
+    """The caller publishes the restored weights to the generators."""
     progress = last_checkpoint(run_dir)
     if progress is None:
         raise ConfigError(f"resume=true but {checkpoint_dir(run_dir) / 'latest.json'} does not exist: no checkpoint to resume from")

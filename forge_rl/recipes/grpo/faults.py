@@ -1,10 +1,7 @@
-"""What a run does when its trainer fails (a generator replica is its service's to restart: runtime/service.py,
-and it catches up by itself: engines/vllm/generator.py `catch_up`).
+"""What a run does when its trainer fails (a generator replica is its service's to restart: runtime/service.py).
 
-- `watch_trainer`: the trainer is one mesh, not a service; when its processes die the run stops within
-  seconds with TrainerLost, which names the trainer and the last checkpoint. `restarting` runs the job
-  again from that checkpoint when trainer.restart_on_failure is set (every actor is started anew: the
-  replay buffer and the generators hold data and weights of versions after the checkpoint).
+The trainer is one mesh, not a service: when its processes die the run stops within seconds with TrainerLost.
+`restarting` starts every actor anew from the last checkpoint: the buffer and generators hold later versions.
 """
 
 from __future__ import annotations
@@ -39,9 +36,7 @@ def trainer_lost(run_dir: str, step: int, error: BaseException, pids: list[str])
 
 
 async def watch_trainer(trainer, cfg, state, training) -> None:
-    """Await the coroutine `training` (the training loop) while pinging `trainer` every WATCH_INTERVAL_S.
-    If the trainer's processes die, whether the loop is waiting on it or on rollouts, raise TrainerLost
-    within seconds (the loop is cancelled). Other failures of the loop pass through unchanged."""
+    """Await `training` while pinging `trainer`: TrainerLost within seconds even while the loop waits on rollouts."""
     try:  # the ranks' places, recorded when the mesh started (an instant answer)
         where = await asyncio.wait_for(trainer._bind_rank.call(), 60)
         pids = [f"pid {w['pid']} on {w['host']}" for _, w in where.items()]
@@ -79,8 +74,7 @@ async def watch_trainer(trainer, cfg, state, training) -> None:
 
 
 async def restarting(main, cfg) -> None:
-    """`main(cfg)` (main.py); with trainer.restart_on_failure, when it stops with TrainerLost,
-    `main` again with resume=true from the last checkpoint (shut down in between, so every actor restarts)."""
+    """With trainer.restart_on_failure, `main` again with resume=true after a TrainerLost."""
     restarts_here = {}
     while True:
         try:

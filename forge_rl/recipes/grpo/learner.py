@@ -4,8 +4,7 @@
           --> Trainer.train_step (per minibatch, per epoch) --> push_weights(v) --> every generator
           --> version v-1 dropped from TorchStore
 
-It owns the trainer and reference handles, the objective's batch half and the self-imitation pool; the
-version it is told to publish is the recipe's (state.py).
+The version it publishes is the recipe's (state.py).
 """
 
 from __future__ import annotations
@@ -25,9 +24,7 @@ from forge_rl.weights import control
 
 
 def token_age_figures(batch: list[Episode], trained_version: int) -> dict[str, float]:
-    """How many versions behind the weights being trained each trained token was sampled: the lag's
-    distribution (mean, 90th percentile, share two or more versions old) beside its maximum,
-    `train/policy_age` (the oldest token's). Asynchronous runs and partial rollouts make it non-zero."""
+    """How many versions behind the trained weights each trained token was sampled, beside `train/policy_age`."""
     ages = torch.cat([trained_version - e.token_versions[e.loss_mask.bool()] for e in batch]).float()
     if not len(ages):
         return {}
@@ -39,16 +36,14 @@ def token_age_figures(batch: list[Episode], trained_version: int) -> dict[str, f
 
 
 def minibatches(batch: list[Episode], n: int) -> list[list[int]]:
-    """Indices of `batch` in n parts of whole groups (a group's advantages compare its own games), in the
-    order the groups came, their numbers of groups differing by at most one."""
+    """n parts of whole groups (a group's advantages compare its own games), sizes differing by at most one."""
     groups = list(dict.fromkeys(e.group_id for e in batch))
     parts = [set(groups[len(groups) * i // n : len(groups) * (i + 1) // n]) for i in range(n)]
     return [[i for i, e in enumerate(batch) if e.group_id in part] for part in parts if part]
 
 
 def optimizer_steps(batch: list[Episode], data: dict, minibatches_per_epoch: int, epochs: int):
-    """(indices, their data) of each optimizer step a batch trains as: `epochs` passes over the same
-    minibatches, every step's data the rows of the batch's one `data` (fixed before the first step)."""
+    """`epochs` passes over the same minibatches, each step's data rows of the batch's one `data`."""
     parts = minibatches(batch, minibatches_per_epoch)
     for _ in range(epochs):
         for part in parts:
@@ -56,9 +51,7 @@ def optimizer_steps(batch: list[Episode], data: dict, minibatches_per_epoch: int
 
 
 def merged(steps: list[dict[str, float]]) -> dict[str, float]:
-    """One step's figures from its optimizer steps': counts summed, extremes as extremes, the rest averaged
-    weighted by each step's num_tokens, as the trainer combines its micro-batches (core/loss.py `reduction`):
-    a minibatch of twice the tokens is twice the batch's loss."""
+    """Combined as the trainer combines its micro-batches (core/loss.py `reduction`), weighted by num_tokens."""
     out = {}
     for k in dict.fromkeys(k for s in steps for k in s):  # every figure any step gave, in order
         having, kind = [s for s in steps if k in s], reduction(k)
@@ -71,9 +64,7 @@ def merged(steps: list[dict[str, float]]) -> dict[str, float]:
 
 
 async def batch_data(objective: GRPOLoss, batch: list[Episode], trained_version: int, score, ref_logprobs=None) -> tuple[dict, dict[str, float]]:
-    """The objective's data for `batch`, fixed before any of its optimizer steps (advantages; ppo's old values
-    and targets; the entropy floor's decision), with what it needs of the trainer's weights as they are before
-    them (`score`: the trainer's `score_batch`, awaited); and the figures of the batch's start."""
+    """The objective's data, fixed before any optimizer step from the weights as they are then; and its figures."""
     masks, seen = objective.masks(batch, trained_version), {}
     if objective.value_head or objective.entropy_floor:
         seen = await score(batch, masks, objective.value_head, objective.entropy_floor)
@@ -82,10 +73,8 @@ async def batch_data(objective: GRPOLoss, batch: list[Episode], trained_version:
 
 async def train_batch(objective: GRPOLoss, batch: list[Episode], trained_version: int, minibatches_per_epoch: int,
                       epochs: int, score, train_step, ref_logprobs=None) -> tuple[list[dict], dict[str, float]]:
-    """A batch's optimizer steps as PPO's Algorithm 1 takes them: the objective's data fixed once, before any
-    (`batch_data`), then `epochs` passes over whole-group minibatches, each `train_step(indices, their data)`,
-    awaited. Returns each step's figures and the batch's start figures. tests/test_exact_gradient.py runs this
-    very loop on a tabular policy."""
+    """A batch's optimizer steps as PPO's Algorithm 1 takes them; tests/test_exact_gradient.py runs this very
+    loop on a tabular policy."""
     data, at_start = await batch_data(objective, batch, trained_version, score, ref_logprobs)
     steps = []
     for part, part_data in optimizer_steps(batch, data, minibatches_per_epoch, epochs):
@@ -101,8 +90,7 @@ class Learner:
         self.imitation = ImitationPool(imitation.capacity, cfg.seed) if imitation.episodes else None
 
     async def step(self, batch: list[Episode], version: int) -> dict[str, float]:
-        """Train on `batch` (and, with self-imitation, on past best episodes), then make every generator
-        serve the new weights as `version`. Returns the step's figures, named as the metrics log them."""
+        """Train on `batch`, then make every generator serve the new weights as `version`."""
         clock = time.perf_counter()
         ref_logprobs, imitate = None, None
         if self.reference is not None:
@@ -151,9 +139,7 @@ class Learner:
         return figures
 
     async def publish(self, version: int) -> dict[str, float]:
-        """The trainer's weights (with LoRA, its adapters) out as `version`, loaded by every healthy generator
-        (a restarting one catches up by itself: engines/vllm/generator.py `catch_up`); returns how long each
-        half took and the bytes that travelled."""
+        """Loaded by every healthy generator; a restarting one catches up itself (generator.py `catch_up`)."""
         clock = time.perf_counter()
         receivers = self.policy.healthy()  # a broadcast goes to these alone: the ones then told to load it
         nbytes = await call(self.trainer, "push_weights", version, receivers, timeout_s=self.cfg.trainer.timeout_s)

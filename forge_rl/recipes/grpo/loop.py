@@ -3,11 +3,8 @@
     rollout workers --Rollouts.group(seed)--> replay buffer --batch--> Learner.step --> weights v+1 out
                                                                         (eval, checkpoint, metrics)
 
-- Rollout workers (`rollout_worker`) take the next seed, play G games on it, and put the group in the
-  replay buffer. They never wait for training; the buffer drops what grows too stale.
-- The training loop (`train`) waits only for the buffer to hold a batch, trains one step, and has every
-  generator serve the new weights before the next step.
-- `synchronous: true` instead alternates: collect a batch with the current weights, then train.
+Rollout workers never wait for training; the buffer drops what grows too stale. The training loop waits only
+for a batch. `synchronous: true` instead alternates: collect a batch with the current weights, then train.
 """
 
 from __future__ import annotations
@@ -35,10 +32,8 @@ STALL_WARNING_S = 60.0  # a training loop without a step for this long says what
 
 
 class InFlight:
-    """The groups being played, by the policy version they started under: the staleness bound where data is
-    produced. Once the oldest group in flight is `max_age` versions behind, no new group starts until it
-    ends, so a slowed machine spends its generation on finishing old groups (whose tokens would otherwise
-    grow older, then be masked or evicted) instead of spreading it over ever more of them."""
+    """The staleness bound where data is produced: once the oldest group in flight is `max_age` versions behind,
+    no new group starts until it ends, so a slowed machine finishes old groups instead of starting ever more."""
 
     def __init__(self, max_age: int):
         self.max_age, self.started = max(max_age, 1), Counter()  # 0 would play one group at a time
@@ -88,12 +83,8 @@ class Job:
 
 
 async def rollout_worker(job: Job) -> None:
-    """Plays groups with whatever weights the policy serves now; waits while the groups held and in flight
-    make the next batch: more would only go stale (evicted unused, buffer/evicted_stale) while taking the
-    trainer's CPU, so rollout.num_workers bounds concurrency and the batch sets the work.
-
-    A game's error loses its group, counted, as in `collect_synchronously` (Rollouts.group, which stops
-    the run after many in a row); any other error stops the run (next_batch sees the worker end).
+    """Waits while the groups held and in flight make the next batch: more would only go stale while taking the
+    trainer's CPU. A game's error loses its group; any other error stops the run.
     """
     while not job.stopping.is_set():
         async with job.in_flight.admission:  # one worker decides at a time, or all would see room for one more
@@ -115,10 +106,8 @@ async def rollout_worker(job: Job) -> None:
 
 
 async def collect_synchronously(job: Job, filtered_at_step: int) -> list:
-    """A batch played with the current weights (the buffer keeps no data of an older version): exactly the
-    groups it needs, on consecutive seeds, at most rollout.num_workers playing at once. A group lost or refused
-    for equal rewards is replaced by a next round of the groups still missing; each round's groups enter the
-    buffer in seed order, so the batch is the same whatever the timing."""
+    """Exactly the groups a batch needs, on consecutive seeds, at most rollout.num_workers at once; a lost or
+    refused group is replaced in a next round. Groups enter in seed order: the same batch whatever the timing."""
     cfg, state, kept = job.cfg, job.state, 0
     workers = asyncio.Semaphore(cfg.rollout.num_workers)  # FIFO: the seeds start in order
 
@@ -151,8 +140,7 @@ async def next_batch(job: Job, workers: list[asyncio.Task], filtered_at_step: in
 
 
 async def check_groups_have_spread(job: Job, filtered_at_step: int) -> None:
-    """Fail loud instead of sampling forever: with DAPO's filter, groups whose games all score alike (a policy
-    that decides them alike, or tasks all solved or all failed) may never fill a batch again."""
+    """Fail loud instead of sampling forever: with DAPO's filter, groups all scoring alike may never fill a batch."""
     filtered = (await job.buffer_stats())["filtered_zero_spread"] - filtered_at_step
     if filtered > 50 * job.cfg.grpo.batch_size:
         raise RuntimeError(
@@ -185,10 +173,8 @@ def log_eval_samples(job: Job, step: int, write) -> None:
 
 
 class StepsBar(tqdm):
-    """The console's bar over train steps. Its rate and time estimate leave out the first step of this
-    process, whose warm-up (the trainer's first forward and backward, the first weight update) takes many
-    times a later step: tqdm's smoothed rate would carry it into the first estimates. The elapsed time
-    keeps it; the estimate reads '?' until the second step."""
+    """The console's bar over train steps. Its estimate leaves out this process's first step, whose warm-up
+    takes many times a later step; it reads '?' until the second step."""
 
     warm = False
 
@@ -240,8 +226,7 @@ async def train(job: Job, progress, workers: list[asyncio.Task]) -> None:
             values.update(await save_checkpoint(job.learner.trainer, cfg.run_dir, state, cfg.trainer.timeout_s))
         job.metrics.log(state.step, values)
         progress.update(1)
-        # The app's headline figures (the first two of its evaluation) as of the last evaluation; one named
-        # like the bar's own (eval/reward, an app's default) gets an eval_ prefix.
+        # The app's headline figures; one named like the bar's own (eval/reward) gets an eval_ prefix.
         postfix = {"reward": f"{reward:+.3f}"}
         for key, value in list(job.evaluation.last.items())[:2]:
             name = key.split("/")[-1]

@@ -52,9 +52,8 @@ EXIT_GRACE_S = 60.0  # the longest the interpreter may take to exit after the ru
 
 
 async def start(cfg: RunConfig, app: App, url: str, checked=None) -> Job:
-    """Every component of the run, started and wired; one that fails to start stops the others. The actors start
-    first, the policy's engine (the longest to start) before all, while `checked` (main.py `environment`, None: as
-    given) is awaited for the config, app and task splits of the environment at `url`."""
+    """Every component of the run, started and wired; one that fails to start stops the others. The policy's
+    engine, the longest to start, goes first, while `checked` (`environment`) checks the environment."""
     model_path = resolve_model(cfg.model.path, cfg.model.dtype, Path(cfg.run_dir) / "tiny_model", cfg.model.tiny_seed)
     hosts = {"trainer": cfg.trainer.hosts, "generator": cfg.generator.hosts}
     with_reference = cfg.grpo.kl_coef > 0 and cfg.trainer.lora is None  # under LoRA the trainer's base model is it
@@ -88,8 +87,7 @@ async def start(cfg: RunConfig, app: App, url: str, checked=None) -> Job:
     from forge_rl.engines.titan.reference import ReferenceModel
     from forge_rl.engines.titan.trainer import Trainer
 
-    # How the trainer and the reference score a batch, given to both: the generator's sampling distribution
-    # (restriction and temperature) and the trainer's micro-batches.
+    # The trainer and the reference score by the generator's sampling distribution.
     scoring = {"allowed_token_ids": allowed, "temperature": cfg.sampling.temperature, "micro_batch_size": cfg.trainer.micro_batch_size}
     policy, trainer, buffer, reference, _, (cfg, app, num_tasks) = await start_all(
         launching_policy,
@@ -106,8 +104,7 @@ async def start(cfg: RunConfig, app: App, url: str, checked=None) -> Job:
         control.start(),
         checked or _ready((cfg, app, {})),
     )
-    # A restarted generator loads the current weights before taking calls; under broadcast it first forms
-    # a new group with the trainer, which sends them to it.
+    # A restarted generator loads the current weights before taking calls.
     policy.after_restart = catch_up
     if sync.kind == "broadcast":
         replicas = [r.actor for r in policy.replicas]
@@ -132,8 +129,7 @@ async def start(cfg: RunConfig, app: App, url: str, checked=None) -> Job:
 
 
 async def environment(cfg: RunConfig, app: App, url: str, local_server) -> tuple:
-    """The environment's server up and checked: (the config with the sessions it accepts, the app with its tools,
-    its task splits' sizes); each refusal a ConfigError naming the key."""
+    """(the config with the sessions the server accepts, the app with its tools, its task splits' sizes)."""
     if local_server is not None:
         await asyncio.to_thread(local_server.healthy)
     if cfg.env.url is not None:  # a running server: the session pool never holds more sessions than it accepts
@@ -158,11 +154,7 @@ async def _raise(error: BaseException):
 
 
 async def shutdown(job: Job | None) -> None:
-    """Stop every actor and its processes (also on Ctrl-C), so no process outlives the run.
-
-    On a cluster, a host that died first gets named, with the roles it ran (the error that stopped the
-    run, a Monarch SupervisionError, follows).
-    """
+    """Stop every actor and its processes, so no process outlives the run; on a cluster, name a host that died."""
     provisioner = get_provisioner()
     lost = [f"{h.worker} ({h.address}), which ran {', '.join(h.running.values()) or 'nothing'}" for h in await provisioner.lost_hosts()]
     if job is not None:
@@ -241,12 +233,10 @@ async def main(cfg: RunConfig) -> None:
 
 
 def console_to_log(run_dir: Path) -> Path:
-    """Send what every process prints (vLLM's and Monarch's INFO lines, the per-update RotaryEmbedding
-    warning of vLLM's weight reload) to run_dir/run.log, and keep this process's sys.stdout/sys.stderr
-    (the progress bar, the evaluation lines, warnings and a failure's traceback) on the console.
+    """Every process's output to run_dir/run.log, this process's sys.stdout/sys.stderr still on the console.
 
-    Done on file descriptors 1 and 2, which the actor and engine processes inherit; Python's own
-    streams are re-opened on copies of the console's."""
+    Done on file descriptors 1 and 2, which actor and engine processes inherit; Python's own streams are
+    re-opened on copies of the console's."""
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "run.log"
     sys.stdout.flush(), sys.stderr.flush()
@@ -259,9 +249,8 @@ def console_to_log(run_dir: Path) -> Path:
 
 
 def exit_within(seconds: float, code: int) -> None:
-    """End the process with `code` even if the interpreter's exit hangs. After a host was lost, a Monarch
-    runtime thread was seen to keep the exit waiting after main had returned; a daemon timer ends the
-    process then (the run has already stopped its actors and said why)."""
+    """End the process even if the interpreter's exit hangs: after a host was lost, a Monarch runtime thread
+    was seen to keep the exit waiting."""
 
     def leave():
         sys.stderr.write(f"forge_rl: the interpreter did not exit within {seconds:g} s; leaving with status {code}\n")
@@ -285,9 +274,8 @@ def run_from_command_line(config: RunConfig | None = None) -> None:
     config = config or parse_cli()
     log_file = console_to_log(Path(config.run_dir))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # SIGTERM (kubectl delete, timeout, a scheduler) stops the run like Ctrl-C: actors and engine processes
-    # shut down. Left to its default it would kill this process alone and orphan vLLM's engine processes.
-    # SIGINT is restored first: a run started in the background by a script inherits it ignored.
+    # SIGTERM stops the run like Ctrl-C; its default would orphan vLLM's engine processes. SIGINT is restored
+    # first: a run started in the background by a script inherits it ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     code = 0

@@ -1,15 +1,10 @@
 """Self-imitation (Oh et al. 2018, "Self-Imitation Learning"): learn again from the best past episodes.
 
-Why: with a sparse reward (a code task passes or not) GRPO learns from a group only in the step that
-found a pass; the policy then drifts towards the answers it already favours and the rare passes of
-other kinds are forgotten (docs/coder.md). Keeping each group's best episode and maximising its
-likelihood in later steps, beside the on-policy GRPO loss, turns every pass found into a label that is
-trained on again: the supervised signal RL found, without a teacher.
+Why: with a sparse reward GRPO learns from a group only in the step that found a pass, and rare passes of
+other kinds are forgotten (docs/coder.md); imitating them again makes every pass found a label.
 
-What joins the pool: per group, its best episode when it did better than the group's mean (SIL's
-"return above the value estimate", with the group mean as the value). Episodes keep exactly the ids
-sampled; the trainer adds `coef` times their mean token NLL to the loss.
-The pool lives on the controller and is not checkpointed: a resumed run starts it empty.
+Per group, its best episode joins the pool when it beat the group's mean (SIL's "return above the value
+estimate"). The pool is not checkpointed: a resumed run starts it empty.
 """
 
 from __future__ import annotations
