@@ -32,9 +32,7 @@ class ForgeActor(Actor):
 
     @endpoint
     async def _bind_rank(self) -> dict[str, str]:
-        """All ranks. Export this process's ranks for torch.distributed (the mesh-wide bootstrap can't):
-        RANK over the whole mesh, LOCAL_RANK within its host. Logs and returns where it runs; called again
-        (through the mesh flattened to one `procs` dimension), it only returns that."""
+        """Export RANK and LOCAL_RANK for torch.distributed, which the mesh-wide bootstrap cannot know."""
         if hasattr(self, "_where"):
             return self._where
         point = current_rank()
@@ -48,8 +46,7 @@ class ForgeActor(Actor):
 
     @concurrent_endpoint
     async def ping(self) -> bool:
-        """All ranks. Health probe used by services; concurrent, so it answers while other calls run.
-        An actor that holds something which can die on its own (an engine) raises ReplicaDead here."""
+        """Concurrent, to answer while other calls run; an actor whose engine can die raises ReplicaDead here."""
         return True
 
     @classmethod
@@ -62,12 +59,8 @@ class ForgeActor(Actor):
 
 @dataclass
 class Launcher:
-    """How to place an actor class: `procs` processes per host, GPUs or not (`gpus_per_proc` each: a process
-    that starts processes of its own on them, as vLLM's engine does its tensor-parallel workers), and
-    replicas for a service.
-
-    `role` names the hosts it goes to (the config's cluster section; None: the controller's host). An
-    actor's mesh spans `hosts` hosts; a service's replica i runs on host i % hosts.
+    """How to place an actor class. `gpus_per_proc`: for a process that starts its own on them (vLLM's
+    tensor-parallel workers). `role` names the hosts (None: the controller's); replica i runs on host i % hosts.
     """
 
     actor_cls: type
@@ -80,8 +73,7 @@ class Launcher:
     gpus_per_proc: int = 1
 
     async def spawn_mesh(self, *args, replica: int | None = None, **kwargs):
-        """Spawn one mesh running the actor, with setup() done; `replica` places a service's replica.
-        Returns (procs, actor)."""
+        """(procs, actor) with setup() done; `replica` places a service's replica."""
         provisioner = get_provisioner()
         name = self.actor_cls.__name__
         if replica is None:
@@ -125,9 +117,7 @@ _name_of: dict[int, str] = {}  # id(actor mesh from as_actor) -> its class name,
 
 
 async def call(actor, endpoint: str, *args, timeout_s: float, **kwargs):
-    """Call `endpoint` on every rank of an actor made by `as_actor`; return rank 0's value. Raises
-    TimeoutError naming the actor and the endpoint if it takes longer than `timeout_s`: a hung actor
-    stops the caller with a reason instead of hanging it (services have their own timeouts)."""
+    """Every rank; rank 0's value. A hung actor stops the caller with a TimeoutError instead of hanging it."""
     name = _name_of.get(id(actor), type(actor).__name__)
     try:
         values = await asyncio.wait_for(getattr(actor, endpoint).call(*args, **kwargs), timeout_s)
@@ -137,9 +127,8 @@ async def call(actor, endpoint: str, *args, timeout_s: float, **kwargs):
 
 
 async def start_all(*launches):
-    """Await launches (`as_actor` / `as_service` calls; any other awaitable is awaited alongside, its result
-    returned as it is) together and return what they gave. If any fails, stop every actor that did start,
-    then raise the first error: a failed start leaves no process behind."""
+    """Await launches (and any other awaitable) together; if any fails, stop every actor that did start: a
+    failed start leaves no process behind."""
     started = await asyncio.gather(*launches, return_exceptions=True)
     failed = [x for x in started if isinstance(x, BaseException)]
     if failed:

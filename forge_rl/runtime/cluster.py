@@ -6,12 +6,8 @@
     kubernetes  worker pods found by Monarch's KubernetesJob: one StatefulSet per role (k8s/),
                 `trainer.hosts` pods for the trainer, and so on; this controller runs in the cluster
 
-On every attached host one `HostAgent` process answers what only that host knows: the address its peers
-reach it at (MASTER_ADDR when it is a mesh's host 0, the weight broadcast's addresses), a free port there
-(MASTER_PORT), its GPU count, its /dev/shm room (shared-memory weight sync), and whether it is still
-alive (to name the host that died when a mesh fails). The provisioner then places each role's processes
-on its hosts (provisioner.py). The controller's own small actors
-(replay buffer, TorchStore) stay on the controller's host.
+On every attached host a `HostAgent` answers what only that host knows: the address its peers reach it at,
+a free port, its GPU count, its /dev/shm room, and whether it is still alive (to name a host that died).
 """
 
 from __future__ import annotations
@@ -51,12 +47,8 @@ def hostname_is_loopback() -> bool:
 
 
 def configure_transport(name: str) -> None:
-    """Monarch's channel transport for this process; the controller and its workers must agree.
-
-    "auto": TcpWithHostname, unless this host's name resolves to loopback only, where Monarch refuses it
-    ("hostname resolved to no non-loopback address"): then every host is this machine, and
-    TcpWithLocalhost reaches them all.
-    """
+    """The controller and its workers must agree. "auto": TcpWithHostname, unless this host's name resolves to
+    loopback only, which Monarch refuses: then every host is this machine, and TcpWithLocalhost reaches them."""
     from monarch.config import configure
 
     if name == "auto":
@@ -91,10 +83,7 @@ class HostAgent(Actor):
 
 
 def connect_kubernetes(namespace: str, timeout_s: int, hosts: dict[str, int], transport: str = "auto") -> dict:
-    """Role -> HostMesh of its Ready worker pods (label monarch.pytorch.org/mesh-name=<role>), in-cluster.
-
-    Blocks until every role has its pods Ready (KubernetesJob watches the pods API) or timeout_s passes.
-    """
+    """Role -> HostMesh of its Ready worker pods (label monarch.pytorch.org/mesh-name=<role>), in-cluster."""
     from monarch.job.kubernetes import KubernetesJob
 
     job = KubernetesJob(namespace=namespace, timeout=timeout_s)

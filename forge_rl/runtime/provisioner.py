@@ -1,15 +1,9 @@
 """Provisioner: allocates Monarch proc meshes on their hosts and prepares each process for torch.distributed.
 
-Every proc mesh gets, before any actor runs in it: MASTER_ADDR/MASTER_PORT (host 0 of the mesh and a free
-port there, asked of that host's HostAgent, so two meshes never join each other's process group),
-WORLD_SIZE = hosts x procs per host, and CUDA_VISIBLE_DEVICES naming the GPUs this mesh was given on
-each host (one per proc, or `gpus_per_proc`; never shared between meshes). RANK (global) and LOCAL_RANK
-(within its host) are set per process by `ForgeActor` from its Monarch rank, since a mesh-wide bootstrap
-does not know it.
-
-Hosts: by default every mesh lands on `this_host()` (MASTER_ADDR 127.0.0.1). `use_cluster` attaches the
-config's cluster (cluster.py: bare workers or Kubernetes pods); a role's meshes then go to the
-hosts of that role, and actors placed without a role (replay buffer) stay on the controller's host.
+Every proc mesh gets MASTER_ADDR/MASTER_PORT (a free port on its host 0, so two meshes never join each other's
+process group), WORLD_SIZE, and CUDA_VISIBLE_DEVICES (GPUs never shared between meshes); `ForgeActor` sets RANK
+and LOCAL_RANK per process. Without `use_cluster` every mesh lands on `this_host()`; with it, a role's meshes go
+to that role's hosts, and actors without a role (replay buffer) stay on the controller's host.
 """
 
 from __future__ import annotations
@@ -36,10 +30,7 @@ AGENT_TIMEOUT_S = 120.0  # first answer of a new host agent (process start inclu
 
 
 def _record_fault(failure: MeshFailure) -> None:
-    """Replace Monarch's default, which exits the controller when any proc dies (a stray KeyboardInterrupt).
-
-    A dead replica is the service's business: it notices, stops routing there and restarts it.
-    """
+    """Monarch's default exits the controller when any proc dies; a dead replica is the service's business."""
     failed_meshes[failure.mesh_name] = str(failure)
     logger.warning("forge_rl: a Monarch mesh failed: %s", first_line(failure))
 
@@ -88,8 +79,7 @@ class Provisioner:
         self.local = Host("127.0.0.1", "this host", list(range(num_gpus)))
         self.roles: dict[str, tuple[object, list[Host]]] = {}  # role -> (HostMesh, its hosts in mesh order)
         self.placed: dict[int, list[tuple[Host, list[int]]]] = {}  # id(proc mesh) -> (host, GPUs it holds there)
-        # Host agents' proc meshes, to stop at the end. The host meshes themselves are left attached: the
-        # workers drop a controller's processes when it goes away, and stand ready for the next one.
+        # Host agents' proc meshes, to stop at the end; the workers stand ready for the next controller.
         self.attached: list = []
         install_fault_hook(_record_fault)
 
@@ -113,8 +103,7 @@ class Provisioner:
             self.roles[role] = (mesh, described[id(mesh)])
 
     def host_of(self, role: str, index: int = 0, hosts: int = 1) -> Host:
-        """Where a role's mesh starts, as `spawn_procs` places it: host 0 of the role (a mesh's rank 0),
-        or a service's replica `index` on host index % hosts. The controller's host when no cluster."""
+        """Where a role's mesh starts (its rank 0), as `spawn_procs` places it."""
         role_hosts = self.roles[role][1] if role in self.roles else [self.local]
         return role_hosts[(index % hosts) % len(role_hosts)]
 
@@ -137,8 +126,7 @@ class Provisioner:
         self, procs: int, with_gpus: bool = False, name: str = "forge", role: str | None = None, hosts: int = 1, first_host: int = 0,
         gpus_per_proc: int = 1,
     ) -> ProcMesh:
-        """`procs` processes on each of `hosts` hosts of `role` (from its `first_host`); no role: this host.
-        With GPUs, `gpus_per_proc` for each process, all of the mesh's visible to each."""
+        """No role: this host. With GPUs, `gpus_per_proc` each, all of the mesh's visible to each process."""
         if role in self.roles:
             host_mesh, role_hosts = self.roles[role]
         else:

@@ -4,17 +4,12 @@ Two verbs (TorchForge's): `route()` sends a call to one healthy replica, `fanout
 
 Invariants:
 - Every call has a timeout; a hung actor raises TimeoutError in the caller, never hangs it.
-- An exception raised inside an actor re-raises in the caller (Monarch's ActorError, with the remote
-  traceback); it says nothing about the replica's health, so it is not retried.
-- A replica whose processes died (Monarch's SupervisionError, or a failed health probe), or whose actor
-  says it can no longer serve (ReplicaDead: a Generator whose vLLM engine died), stops receiving calls at
-  once and is restarted in the background; the call that found it dead is retried once on a healthy
-  replica (waiting for a restart when none is left). A fanout leaves a dead replica out instead of
-  failing: `after_restart` brings the restarted replica up to date.
-- Calls with the same `session` go to the same replica while it is healthy (sticky sessions keep a
-  multi-turn conversation on the replica that holds its KV cache).
-
-Lifecycle: `Launcher.as_service()` builds and starts it; `stop()` stops the health loop and every replica.
+- An exception raised inside an actor re-raises in the caller; it says nothing about the replica's health,
+  so it is not retried.
+- A replica whose processes died, or whose actor raises ReplicaDead, stops receiving calls at once and is
+  restarted in the background; the call that found it dead is retried once on a healthy replica. A fanout
+  leaves a dead replica out instead of failing: `after_restart` brings the restarted replica up to date.
+- Calls with the same `session` go to the same replica while it is healthy, which holds their KV cache.
 """
 
 from __future__ import annotations
@@ -112,8 +107,7 @@ class Service:
         replica.healthy = True
 
     def _mark_dead(self, replica: Replica, why: str, actor=None) -> None:
-        """Stop routing to `replica` and restart it in the background (once at a time). `actor`: the mesh
-        the failed call went to; if the replica has been restarted since, its new mesh is left alone."""
+        """`actor`: the mesh the failed call went to; if the replica has been restarted since, its new mesh is left alone."""
         if not replica.healthy or (actor is not None and actor is not replica.actor):
             return
         replica.healthy = False
@@ -134,8 +128,7 @@ class Service:
                 await asyncio.sleep(self.health_interval_s)
 
     async def _health_loop(self) -> None:
-        """Probe every healthy replica each interval, each in a task of its own: a replica whose probe
-        hangs delays no other's, and gets no second probe until its first one ends."""
+        """Each probe in a task of its own: one that hangs delays no other, and gets no second until it ends."""
         while True:
             await asyncio.sleep(self.health_interval_s)
             for r in self.replicas:
@@ -143,8 +136,7 @@ class Service:
                     r.probe = asyncio.create_task(self._probe(r))
 
     async def _probe(self, replica: Replica) -> None:
-        """A replica whose processes died or that does not answer within the call timeout is marked
-        dead; any other error is logged, so that probing outlives whatever one probe runs into."""
+        """Any error but death or a timeout is logged, so probing outlives whatever one probe runs into."""
         try:
             await asyncio.wait_for(replica.actor.ping.call(), self.call_timeout_s)
         except Exception as e:
@@ -203,8 +195,7 @@ class Service:
             await asyncio.sleep(0.1)
 
     async def route(self, endpoint: str, *args, session=None, timeout: float | None = None, **kwargs):
-        """Call `endpoint` on one healthy replica; retried once on a healthy one if that replica is found
-        dead (the restarted replica itself when it was the only one)."""
+
         timeout = timeout or self.call_timeout_s
         replica = await self._pick_or_wait(session, timeout)
         actor = replica.actor
@@ -224,10 +215,8 @@ class Service:
         return [r.index for r in self.replicas if r.healthy]
 
     async def fanout(self, endpoint: str, *args, timeout: float | None = None, to: list[int] | None = None, **kwargs) -> list:
-        """Call `endpoint` on every healthy replica (of those in `to`, if given) concurrently; returns the
-        results of those that answered, in replica order. A replica found dead is left out and restarted
-        (`after_restart` brings it up to date), so a fanout fails only on an error raised by a live
-        replica, or when no replica is up and none is restarting."""
+        """The results of the replicas (of those in `to`) that answered, in replica order; fails only on a live
+        replica's error, or when no replica is up and none is restarting."""
         timeout = timeout or self.call_timeout_s
         targets = [r for r in self.replicas if r.healthy and (to is None or r.index in to)]
         if not targets and not any(r.restarting is not None and not r.restarting.done() for r in self.replicas):
