@@ -20,14 +20,10 @@ from forge_rl.weights.layout import fused_order
 
 
 def hf_weights(model: torch.nn.Module, adapter, dtype: str = "float32") -> tuple[dict[str, torch.Tensor], Iterator[torch.Tensor]]:
-    """The model's weights under HF names, one tensor at a time, for the weight sync: (HF name -> a meta
-    tensor of its shape and dtype, in `fused_order`; an iterator over the tensors themselves, in that order).
+    """(HF name -> meta tensor, in `fused_order`; an iterator over the tensors, in that order).
 
-    Collective when sharded: every rank must exhaust the iterator. Each step casts one parameter's shard
-    to `dtype` and gathers it (`DTensor.full_tensor()`), so the caller copies it where it goes (a shared
-    memory buffer, the broadcast's) and no rank ever holds a second whole copy of the model, as
-    get_model_state_dict's full state dict is. An unsharded model gives its parameters themselves (no copy
-    in fp32), on whatever device they live."""
+    Collective when sharded: every rank must exhaust the iterator. One parameter is gathered at a time, so no
+    rank ever holds a second whole copy of the model. An unsharded model gives its parameters themselves."""
     target = DTYPES[dtype]
     shapes, sources, _ = hf_sources(model, adapter, target)
 
@@ -39,10 +35,9 @@ def hf_weights(model: torch.nn.Module, adapter, dtype: str = "float32") -> tuple
 
 
 def hf_weight_rows(model: torch.nn.Module, adapter, dtype: str = "float32") -> tuple[dict[str, torch.Tensor], Iterator]:
-    """`hf_weights` for a sharded trainer whose ranks all write into one shared-memory buffer: each step
-    gives (first row, tensor) for this rank to copy there. A parameter sharded by rows (FSDP2's Shard(0))
-    that HF only renames gives this rank's own rows, cast, with no communication at all; any other is
-    gathered as by `hf_weights`: (0, the whole tensor) on rank 0, (0, None) elsewhere. Collective."""
+    """`hf_weights` for ranks all writing into one shared-memory buffer: (first row, tensor) per step. A
+    row-sharded parameter that HF only renames gives this rank's rows with no communication; any other is
+    gathered: (0, the whole tensor) on rank 0, (0, None) elsewhere. Collective."""
     target = DTYPES[dtype]
     shapes, sources, renamed = hf_sources(model, adapter, target)
     rank = dist.get_rank()

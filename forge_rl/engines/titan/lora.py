@@ -1,16 +1,12 @@
 """LoRA on a TorchTitan model, with PEFT's LoRA layers, and its tensors under Hugging Face / PEFT names.
 
-`trainer.lora: {rank, alpha, dropout, target_modules}` (target_modules in HF names: q_proj ... down_proj).
-PEFT wraps each targeted linear layer: its frozen weight moves to `<layer>.base_layer.weight`, beside
-`lora_A.default.weight` [r, in] and `lora_B.default.weight` [out, r]; the layer computes
-base(x) + scale * B(A(dropout(x))) with scale = alpha / rank (without dropout as one autograd node:
-compat/peft.py). Every other parameter is frozen, so only the
-adapters train and only they have optimizer state. With the adapters switched off the model is the base
-model: the reference policy of the KL term, with no second copy.
+PEFT wraps each targeted layer: its frozen weight moves to `<layer>.base_layer.weight`, and it computes
+base(x) + scale * B(A(dropout(x))), scale = alpha / rank (one autograd node without dropout: compat/peft.py).
+Only the adapters train and have optimizer state; with them switched off the model is the base model: the KL
+term's reference, with no second copy.
 
-Under HF names the adapters are `model.layers.0.self_attn.q_proj.lora_A.weight` and so on (PEFT's
-adapter_model.safetensors adds `base_model.model.`): A as it is, B's rows reordered as the state-dict adapter
-reorders the base weight's rows (Llama's q/k permutation), so that B @ A is the update in the HF layout.
+Under HF names (`...q_proj.lora_A.weight`; PEFT's file adds `base_model.model.`), B's rows are reordered as the
+state-dict adapter reorders the base weight's rows (Llama's q/k permutation), so B @ A is the HF-layout update.
 """
 
 from __future__ import annotations
@@ -62,9 +58,8 @@ def scale(model: torch.nn.Module) -> float:
 
 
 def initial_state(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The adapters' starting values under their TorchTitan names: A as nn.Linear initialises a weight
-    (Kaiming-uniform, a = sqrt(5); PEFT's default), B zero, so the model starts as the base model. Drawn from
-    a seeded generator on full tensors: the same on every rank and for any number of ranks."""
+    """A as PEFT initialises it, B zero, so the model starts as the base model. Drawn from a seeded generator
+    on full tensors: the same on every rank and for any number of ranks."""
     generator, state = torch.Generator().manual_seed(seed), {}
     for name, layer in lora_layers(model).items():
         a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight

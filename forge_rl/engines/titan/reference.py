@@ -2,14 +2,8 @@
 
     training loop --token ids of a batch--> ReferenceModel.logprobs --> Trainer.train_step(batch, ref_logprobs)
 
-Same TorchTitan model and HF adapter as the Trainer (model.py `build_model`), loaded from the
-same HF directory, never updated: before the first update its log-probs equal the trainer's.
-Stateless between calls, so it runs as a service whose replicas split the batches:
-
-    ref = await ReferenceModel.options(num_replicas=2).as_service(model_path, micro_batch_size=8)
-    ref_logprobs = await ref.route("logprobs", [e.tokens for e in batch])
-
-Only needed when grpo.kl_coef > 0.
+Built as the Trainer's model, never updated: before the first update its log-probs equal the trainer's.
+Stateless, so it runs as a service whose replicas split the batches. Only needed when grpo.kl_coef > 0.
 """
 
 import torch
@@ -20,8 +14,7 @@ from forge_rl.runtime.actor import ForgeActor
 
 
 class ReferenceModel(ForgeActor):
-    """Frozen policy weights. Lifecycle: constructed with config; `setup` loads the weights;
-    `logprobs` any number of times. Invariant: weights never change after setup."""
+    """Invariant: weights never change after setup."""
 
     def __init__(
         self,

@@ -1,13 +1,9 @@
 """Scoring a batch with no more forward work than its loss needs, for exactly the same loss.
 
-The loss needs the log-prob of each trained token, and the log-prob of the token at position p depends only
-on the ids before it. So:
-- Episodes that share a prefix need the same forward over it: the G games of a group start from one deal's
-  prompt and agree until their first different answer (BlackJack deals the same cards to games that decide
-  alike). One forward row serves every episode whose trained tokens all follow ids that row shares: for a
-  group of 16 games, the few distinct paths its games took.
-- Only the positions that predict a trained token need the output head (a vocabulary-sized matmul) and the
-  softmax: the head runs there alone (model.py `scoring_head`).
+A token's log-prob depends only on the ids before it, so:
+- One forward row serves every episode whose trained tokens all follow ids that row shares: a group's games
+  agree until their first different answer.
+- Only positions that predict a trained token need the output head (model.py `scoring_head`).
 Gradients stay exact: a shared row's log-probs feed every episode it serves, and autograd sums their terms.
 """
 

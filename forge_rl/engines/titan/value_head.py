@@ -3,12 +3,9 @@ norm: what the output head reads) to a scalar, on the trainer's model only.
 
     model.value_head   nn.Linear(dim, 1), zero at the start: V = 0, so the first step's advantages are the returns
 
-It is part of the model's module tree, so FSDP2 shards it with the root, AdamW and the gradient clip take it, and
-checkpoints hold it (with LoRA: the adapters and it; it is attached after PEFT froze the rest, so it trains).
-Weight sync and the HF export leave it out (`policy_state`): generators sample without it and HF has no name for
-it; it lives in the run's checkpoints only. Its value is read where the output head is (model.py `scoring_head`):
-at the state before each trained token, so at the last id before each answer too. The trunk is shared: the value
-loss trains the head and, through it, the trunk (Schulman et al. 2017, eq. 9).
+In the model's module tree, so FSDP2, AdamW and checkpoints take it (attached after PEFT froze the rest, so it
+trains). Weight sync and the HF export leave it out: it lives in the run's checkpoints only. It is read where
+the output head is (model.py `scoring_head`). The trunk is shared (Schulman et al. 2017, eq. 9).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """LoRA served unmerged inside vLLM's worker: each targeted layer computes base(x) + scale * B(A(x)), the
 function the trainer's PEFT layers compute, in the serving dtype.
 
-Why not merge: a merged weight base + scale * B @ A is rounded to the serving dtype entry by entry. In bf16
-an update smaller than half a unit in the last place of the base entry is lost (most of a small one), so
-the generator sampled from a policy that lagged the trained one and the importance ratio drifted. Unmerged,
-the adapter's product is added to the layer's output, as the trainer adds it. It also keeps no copy of the
-base weights: only the adapters, a few MB, live beside the engine's own weights.
+Why not merge: base + scale * B @ A rounded to bf16 loses an update smaller than half a unit in the last place,
+so the generator sampled from a policy lagging the trained one. Unmerged, nothing of the base is copied.
 
 Each HF-named adapter (`...q_proj.lora_A.weight`, `...q_proj.lora_B.weight`) goes to the vLLM layer that
 serves it: a fused layer (qkv_proj, gate_up_proj, from the model's `packed_modules_mapping`) gets one A,
@@ -13,9 +10,8 @@ the shards' A stacked, and one block-diagonal B, so its adapters cost two small 
 parallelism a column-parallel layer takes this rank's rows of B, a row-parallel one this rank's columns of
 A (its partial output is summed with the base's by the layer's own all-reduce).
 
-The product is added by wrapping the layer's quant method's `apply`: a Python call on every forward, which
-an eager engine makes (CPU). A CUDA-graph engine replays kernels captured before the first adapters came
-(engines/vllm/generator.py serves LoRA runs eagerly).
+The product is added by wrapping the layer's quant method's `apply`, a Python call a CUDA-graph engine would
+not replay: LoRA runs are served eagerly.
 """
 
 from __future__ import annotations
