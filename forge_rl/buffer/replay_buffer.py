@@ -2,9 +2,7 @@
 
     rollout loop --add(group)--> ReplayBuffer --sample(current_version)--> trainer.train_step
 
-The unit is the GROUP (all episodes of one prompt/seed), never a single episode: GRPO's
-advantages compare the episodes of a group, so a batch must hold whole groups. `sample`
-returns `batch_size` groups, flattened into one list of Episodes (group_id kept).
+The unit is the GROUP, never a single episode: GRPO's advantages compare the episodes of a group.
 """
 
 from collections import OrderedDict
@@ -21,14 +19,11 @@ class ReplayBuffer:
     Invariants:
     - `sample(v)` never returns a group with policy_version < v - max_policy_age; such
       groups are evicted when seen (counted in stats()["evicted_stale"]).
-    - at most `max_groups` groups are held; `add` beyond that drops the oldest-added group
-      (counted in "evicted_overflow"). Oldest-first is also the sampling order, so the
-      groups closest to going stale are trained on first.
+    - at most `max_groups` groups are held, the oldest dropped first ("evicted_overflow"); oldest-first is
+      also the sampling order, so the groups closest to going stale are trained on first.
     - a sampled group is removed: every group is trained on at most once (on-policy GRPO).
-    - with `filter_zero_spread`, groups whose rewards are all equal are refused at `add`
-      (DAPO dynamic sampling: their advantages are all zero, so they only dilute the
-      batch); counted in "filtered_zero_spread".
-    `sample` returns None instead of waiting when fewer than batch_size fresh groups are held.
+    - with `filter_zero_spread`, groups with all rewards equal are refused (DAPO dynamic sampling: their
+      advantages are all zero).
     """
 
     def __init__(self, batch_size: int, max_policy_age: int, max_groups: int = 1024, filter_zero_spread: bool = False):
@@ -97,8 +92,7 @@ def group_version(group: list[Episode]) -> int:
 
 
 class ReplayBufferActor(ForgeActor):
-    """The buffer as a Monarch actor on its own proc, so rollout workers and the trainer
-    loop can reach it from anywhere; one instance, every endpoint returns immediately."""
+    """One instance on its own proc; every endpoint returns immediately."""
 
     def __init__(self, batch_size: int, max_policy_age: int, max_groups: int = 1024, filter_zero_spread: bool = False):
         super().__init__()
@@ -111,8 +105,7 @@ class ReplayBufferActor(ForgeActor):
 
     @endpoint
     async def add_groups(self, groups: list[list[Episode]]) -> list[bool]:
-        """Training loop (synchronous): store a round's groups in one message, in the order given, so
-        that which of them make the batch does not depend on how messages raced."""
+        """One message, in the order given, so which groups make the batch does not depend on how messages raced."""
         return [self.buffer.add(group) for group in groups]
 
     @endpoint

@@ -1,19 +1,8 @@
 """The record of one episode's token ids as the policy saw them, and the Episode it becomes.
 
-The policy's tokens are never re-tokenized: each turn's prompt is the exact id sequence so far, followed
-by the ids of what came next (an environment turn, a tool result), rendered and tokenized alone. So the ids
-trained on are the ids sampled, and every sampled id keeps the log-prob and policy version it was sampled
-with (with partial rollouts, one answer may hold several versions).
-
-    record = EpisodeRecord(first_prompt_ids)
-    completion = ...generate(record.token_ids)...
-    record.add_completion(completion)
-    record.add_prompt(ids_of_the_next_observation)
-    ...
-    episode = record.to_episode(reward, group_id)
-
-The environment form (rollout/play.py) keeps one record per game; the chat-agent form (rollout/segments.py)
-one per segment of a conversation.
+The policy's tokens are never re-tokenized: what came after them is tokenized alone and appended, so the ids
+trained on are the ids sampled, each with the log-prob and policy version it was sampled with. One record per
+game (rollout/play.py) or per conversation segment (rollout/segments.py).
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Reading a config: OmegaConf for files, interpolation and dotted overrides; the schema's dataclasses for checking.
 
-A run's config is read once, merged with command-line overrides (`trainer.optimizer.lr=2e-6`), resolved
-(`${...}` interpolation) and then converted into the dataclasses of schema.py. Conversion rejects unknown
-keys, missing required keys, wrong types and impossible values with one line that names the key and the
-file, before anything is launched (TorchForge's YAML style, typed and validated).
-
-    cfg = load_config("configs/blackjack_tiny_cpu.yaml", ["grpo.group_size=16"])
-    cfg = parse_cli()          # --config FILE [key=value ...], exits with status 2 on bad input
+Conversion rejects unknown keys, missing required keys, wrong types and impossible values with one line that
+names the key and the file, before anything is launched.
 """
 
 from __future__ import annotations
@@ -28,10 +23,7 @@ from forge_rl.core.errors import first_line
 
 
 def load_config(path: str | Path, overrides: list[str] = (), schema: type = RunConfig):
-    """Read `path`, apply dotted `overrides`, resolve interpolation, return a checked `schema` instance.
-
-    Raises ConfigError with a one-line message naming the key and the file.
-    """
+    """Read `path`, apply dotted `overrides`, resolve interpolation, return a checked `schema` instance."""
     path = Path(path)
     where = f"in {path}" + (" (with overrides)" if overrides else "")
     try:
