@@ -16,13 +16,10 @@ action, and the end of an episode into a reward. It takes one of three forms:
               MCPEnvironment, the policy acts by calling its tools (rollout/tools.py); parse_action defaults to
               the tool-call parser and reward to the environment's (terminal_reward)
 
-Either may add `eval_metrics(results, references) -> dict` (what an evaluation reports, its headline
-first; `results` have .reward and .invalid, `references` maps each reference policy's name to its mean
-reward on the evaluation seeds) and `REFERENCE_POLICIES` ({name: observation -> answer text or None},
-played on the evaluation seeds with the app's parse_action and reward). A TaskApp may set `SYSTEM_PROMPT`,
-the system message of its first turn (else the chat template's default, if it has one), and
-`SAMPLE_OBSERVATION`, an observation as the client returns it: the config check renders its prompt to
-find words the tiny model does not know (recipes/grpo/check.py).
+Either may add `eval_metrics(results, references) -> dict` (its headline first; `references`: each reference
+policy's mean reward) and `REFERENCE_POLICIES` ({name: observation -> answer text or None}). A TaskApp may set
+`SYSTEM_PROMPT` (else the template's default) and `SAMPLE_OBSERVATION`, whose prompt the config check renders
+to find words the tiny model does not know.
 """
 
 from __future__ import annotations
@@ -75,10 +72,8 @@ class App:
 
 
 def load_app(name: str, constrained: bool = False, dataset: bool = False) -> App:
-    """Import the config's app_module and check it has what the run will call; a one-line ConfigError
-    naming the module and everything it lacks otherwise. `dataset` (env.dataset): its reward(prompt_row,
-    answer) is the dataset server's to call (envs/dataset.py), and the run scores the server's reward as
-    terminal_reward does."""
+    """Import app_module and check it has what the run will call. With `dataset`, reward(prompt_row, answer) is
+    the dataset server's to call (envs/dataset.py)."""
     try:
         module = importlib.import_module(name)
     except ImportError as e:
@@ -131,9 +126,8 @@ def observation_fields(observation: Any) -> Mapping[str, Any]:
 
 
 def terminal_reward(observation: Any, invalid: bool, invalid_penalty: float) -> float:
-    """The environment's reward once the episode is done (0 before); -invalid_penalty for an answer
-    parse_action refused. invalid_penalty is a magnitude (>= 0): scoring an invalid answer below the worst
-    outcome teaches the format first. A game cut off at rollout.max_turns is not scored here (play.py)."""
+    """-invalid_penalty (a magnitude) for a refused answer: scoring it below the worst outcome teaches the
+    format first. A game cut off is not scored here (play.py)."""
     if invalid_penalty < 0:
         raise ValueError(f"invalid_penalty is a magnitude and must be >= 0, got {invalid_penalty}")
     if invalid:

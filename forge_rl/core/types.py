@@ -72,10 +72,8 @@ class Completion:
 
     prompt_ids: list[int]  # [P] token ids of the prompt, exactly as the engine saw them
     token_ids: list[int]  # [T] ids the policy sampled, in order; ends with the stop token when one ended it
-    # [T] log-prob of each sampled token under the distribution it was sampled from: after temperature,
-    # top-p/top-k and, with allowed_token_ids, renormalised over the allowed tokens (vLLM masks logits
-    # before sampling). A trainer scoring the same tokens over the full vocabulary at temperature 1 gets
-    # the same numbers only for unconstrained sampling at temperature 1 and top_p 1.
+    # [T] log-prob of each sampled token under the distribution that sampled it: after temperature, top-p/top-k
+    # and allowed_token_ids, not the raw logits'.
     logprobs: list[float]
     # token_ids decoded, special tokens skipped: what an app parses its action from. A stop string ends it (kept
     # with include_stop_str_in_output) even inside the last token, which token_ids keep whole with its log-prob
