@@ -1,20 +1,11 @@
-"""GRPO loss as small functions over plain tensors.
+"""The policy loss as small functions over plain tensors: B sequences, T positions (position t holds the log-prob
+of token t given those before it). Nothing here knows episodes or actors.
 
-Shapes: B sequences, T token positions (already shifted so that position t holds the
-log-prob of token t given the tokens before it), V vocabulary. Nothing here knows about
-episodes, buffers or actors; the trainer turns a batch of episodes into these tensors.
-
-The policy-gradient term is PPO's clipped surrogate with the ratio taken against the
-BEHAVIOUR log-probs (what the generator returned when it sampled). Taking it against a
-detached copy of the current log-probs makes the ratio identically 1 and silently turns
-clipping off (TorchForge's GRPO loss does that).
-
-With an importance-sampling correction on (`is_level` not "off", see `is_weights`), the
-ratio is instead taken against the trainer's own log-probs at this step (detached, so it is 1
-and only carries the gradient) and each token is weighted by a gate on the trainer/behaviour
-ratio: the behaviour policy may be a mix of versions (partial rollouts) and of numerics.
-
-Advantages come in per token [B, T] from core/estimators/ (one module per estimator).
+The ratio is taken against the BEHAVIOUR log-probs (what the generator sampled with): against a detached copy of
+the current ones it is identically 1 and clipping silently off (TorchForge's GRPO loss does that). With an
+importance-sampling correction (`is_weights`) it is taken against the trainer's own, detached (1, carrying only
+the gradient), and each token weighted by a gate on trainer/behaviour: the behaviour policy may mix versions
+(partial rollouts) and numerics. Advantages come per token [B, T] from core/estimators/.
 """
 
 import math
@@ -28,13 +19,10 @@ from forge_rl.core.estimators import loss_setting
 # ---------------------------------------------------------------------------- per token
 
 
-# KL(policy || reference) estimated from tokens the policy sampled (Schulman, "Approximating
-# KL divergence", 2020). With log_r = ref - policy: k1 = -log_r is unbiased but can go
-# negative; k2 = log_r^2 / 2 is biased but low-variance; k3 = e^log_r - 1 - log_r is
-# unbiased and always >= 0 (the one GRPO uses). k3's exp overflows to inf once the reference
-# makes a sampled token e^88 times likelier than the policy does (a token the policy has all but
-# ruled out): its log-ratio is clamped to +-K3_LOG_RATIO_BOUND and the estimate to K3_BOUND, as
-# verl's low_var_kl does (bounds 20 and 10); the gradient of a clamped token is then 0.
+# KL(policy || reference) from tokens the policy sampled (Schulman 2020), log_r = ref - policy: k1 = -log_r
+# (unbiased, can go negative), k2 = log_r^2 / 2 (biased, low variance), k3 = e^log_r - 1 - log_r (unbiased, >= 0;
+# GRPO's). k3's exp overflows for a token the policy has all but ruled out: its log-ratio and estimate are clamped
+# as verl's low_var_kl does (20 and 10; a clamped token's gradient is 0).
 K3_LOG_RATIO_BOUND, K3_BOUND = 20.0, 10.0
 KL_ESTIMATORS = {
     "k1": lambda log_r: -log_r,
@@ -55,10 +43,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 
 # ---------------------------------------------------------------------------- aggregation
-# How per-token losses [B, T] become one number. `denominator` lets the caller normalise
-# by the WHOLE batch (all micro-batches, all data-parallel ranks) so that summing the
-# pieces' gradients gives exactly the gradient of the whole batch (`denominator` below);
-# default: this piece. Each estimator's paper fixes one (core/estimators/).
+# How per-token losses [B, T] become one number. `denominator`: the WHOLE batch's (all micro-batches and ranks),
+# so the pieces' gradients sum to the batch's; default: this piece's. Each estimator's paper fixes one.
 
 
 def token_mean(per_token: torch.Tensor, mask: torch.Tensor, denominator: float | None = None) -> torch.Tensor:
@@ -101,12 +87,9 @@ def denominator(agg: str, mask: torch.Tensor, max_tokens: int | None) -> float:
 
 
 # ---------------------------------------------------------------------------- IS correction
-# Levels: the ratio r = pi_trainer / pi_behaviour of each token, of the whole sequence (product),
-# or its geometric mean over the sequence (the per-token average, comparable across lengths).
-# Modes: mask keeps a token (weight 1) when r is within [low, high] and removes it (weight 0)
-# otherwise (rejection, as MIS/IcePop); clip weighs it by r clamped to [low, high]; trunc by
-# min(r, high) (TIS). A sequence or geometric ratio is no importance weight of a token, so it
-# only masks.
+# Levels: r = pi_trainer / pi_behaviour of each token, of the sequence (product), or its geometric mean (comparable
+# across lengths). Modes: mask keeps a token (weight 1) while r is within [low, high], else 0 (MIS/IcePop); clip
+# weighs it by r clamped to [low, high]; trunc by min(r, high) (TIS). A sequence's ratio only masks.
 IS_LEVELS = ("off", "token", "seq", "geo")
 IS_MODES = ("mask", "clip", "trunc")
 
@@ -192,16 +175,11 @@ def grpo_loss(
     denominator: float | None = None,  # see AGGREGATIONS; None: normalise by this batch
     batch_entropy: float | None = None,  # with entropy_floor: the whole batch's mean entropy, when this is a piece
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped-ratio policy loss + KL + entropy bonus, aggregated over masked tokens.
-
-    Returns (loss, metrics). Metrics are means over masked tokens (detached scalars) plus
-    ratio min/max and `num_tokens`, so a caller can weight pieces of a batch together.
-    Tokens outside `mask` get exactly zero gradient: every per-token term is multiplied
-    by the mask before the sum, and masked positions never reach the exp of the ratio.
-    """
+    """Policy loss + KL + entropy bonus, aggregated over masked tokens -> (loss, metrics: means over masked tokens,
+    ratio min/max, `num_tokens` to weigh pieces together). Tokens off `mask` get exactly zero gradient: masked
+    positions never reach the ratio's exp."""
     mask = mask.bool()
-    # Zero the log-ratio off-mask so padding (where behaviour log-probs are 0 and the
-    # current ones are arbitrary) cannot produce inf * 0 = nan in the gradient.
+    # Zero off-mask, so padding (behaviour 0, current arbitrary) cannot make inf * 0 = nan in the gradient.
     log_ratio = torch.where(mask, logprobs - behaviour_logprobs, torch.zeros_like(logprobs))
     weights = None  # [B, T] importance-sampling correction
     correction = config.is_correction
