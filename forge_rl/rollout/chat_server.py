@@ -219,26 +219,28 @@ class ChatServer:
             raise ChatError(400, "the request body must be a JSON object")
         return body
 
-    def _check_model(self, model: str) -> None:
-        if model != self.config.model_name:
-            raise ChatError(404, f"model {model!r} is not served here; use {self.config.model_name!r}", "model_not_found")
+    async def _reply(self, request: web.Request, parse: Callable[[dict], object]) -> tuple:
+        """(vLLM's chat request, the reply) for a request of either protocol; `parse` makes the first of the body."""
+        from pydantic import ValidationError
+
+        rollout = self._rollout(request)
+        body = await self._body(request)
+        try:
+            req = parse(body)
+        except ValidationError as e:
+            raise ChatError(400, f"invalid request: {_first_error(e)}") from None
+        if req.model != self.config.model_name:
+            raise ChatError(404, f"model {req.model!r} is not served here; use {self.config.model_name!r}", "model_not_found")
+        if (req.n or 1) != 1:
+            raise ChatError(400, f"n={req.n}: this server samples one reply per request")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        return req, await self.complete(rollout, list(req.messages), tools, req)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
-        from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         try:
-            rollout = self._rollout(request)
-            body = await self._body(request)
-            try:
-                req = ChatCompletionRequest.model_validate(body)
-            except ValidationError as e:
-                raise ChatError(400, f"invalid request: {_first_error(e)}") from None
-            self._check_model(req.model)
-            if (req.n or 1) != 1:
-                raise ChatError(400, f"n={req.n}: this server samples one reply per request")
-            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            reply = await self.complete(rollout, list(req.messages), tools, req)
+            req, reply = await self._reply(request, ChatCompletionRequest.model_validate)
         except ChatError as e:
             error = {"message": e.message, "type": _error_type(e.status), "param": None, "code": e.code}
             return web.json_response({"error": error}, status=e.status)
@@ -249,26 +251,19 @@ class ChatServer:
         return await _send_events(request, openai_chunks(response, usage))
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
-        from pydantic import ValidationError
         from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
         from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 
+        def parse(body: dict):  # vLLM's conversion; the chat request keeps the model name and `stream`
+            return AnthropicServingMessages.to_chat_completion_request(AnthropicMessagesRequest.model_validate(body))
+
         try:
-            rollout = self._rollout(request)
-            body = await self._body(request)
-            try:
-                anthropic = AnthropicMessagesRequest.model_validate(body)
-                req = AnthropicServingMessages.to_chat_completion_request(anthropic)  # vLLM's conversion
-            except ValidationError as e:
-                raise ChatError(400, f"invalid request: {_first_error(e)}") from None
-            self._check_model(anthropic.model)
-            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            reply = await self.complete(rollout, list(req.messages), tools, req)
+            req, reply = await self._reply(request, parse)
         except ChatError as e:
             error = {"type": "error", "error": {"type": _error_type(e.status), "message": e.message}}
             return web.json_response(error, status=e.status)
         message = anthropic_message(reply, self.config.model_name)
-        return await _send_events(request, anthropic_events(message)) if anthropic.stream else web.json_response(message)
+        return await _send_events(request, anthropic_events(message)) if req.stream else web.json_response(message)
 
     async def _models(self, request: web.Request) -> web.Response:
         model = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "forge_rl"}
