@@ -256,11 +256,7 @@ class Generator(ForgeActor):
                     await self._swap_keeping_requests(load, args, version)
                 else:
                     async with self.gate.swap():
-                        try:
-                            await self.engine.collective_rpc(load, args=args)
-                        except BaseException:
-                            await self._of_no_version()
-                            raise
+                        await self._load(load, args)
                         if not await self.engine.reset_prefix_cache():
                             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
                         self.policy_version = version
@@ -274,11 +270,7 @@ class Generator(ForgeActor):
         """Wait for the last update's background repacking (timings and bit-exact comparisons need it);
         its failure stamps new completions -1."""
         async with self.update_lock:
-            try:
-                await self.engine.collective_rpc("finish_loading")
-            except BaseException:
-                await self._of_no_version()
-                raise
+            await self._load("finish_loading")
 
     @endpoint
     @reports_dead_engine
@@ -294,21 +286,22 @@ class Generator(ForgeActor):
         """
         await self.engine.pause_generation(mode="keep", clear_cache=True)
         try:
-            try:
-                await self.engine.collective_rpc(load, args=args)
-            except BaseException:
-                await self._of_no_version()
-                raise
+            await self._load(load, args)
             await self.engine.update_weight_version(str(version))
             self.policy_version = version
         finally:
             await self.engine.resume_generation()
 
-    async def _of_no_version(self) -> None:
-        """A load that failed midway leaves a mix of versions: stamp -1 here and in vLLM (partial rollouts' tags)."""
-        self.policy_version = -1
-        with contextlib.suppress(Exception):  # a dead engine stamps nothing any more
-            await self.engine.update_weight_version("-1")
+    async def _load(self, method: str, args: tuple = ()) -> None:
+        """`method` on every worker. One that fails midway leaves a mix of versions: stamp -1 here and in vLLM
+        (partial rollouts' tags)."""
+        try:
+            await self.engine.collective_rpc(method, args=args)
+        except BaseException:
+            self.policy_version = -1
+            with contextlib.suppress(Exception):  # a dead engine stamps nothing any more
+                await self.engine.update_weight_version("-1")
+            raise
 
     @endpoint
     async def current_version(self) -> int:
