@@ -76,10 +76,7 @@ class Launcher:
         """(procs, actor) with setup() done; `replica` places a service's replica."""
         provisioner = get_provisioner()
         name = self.actor_cls.__name__
-        if replica is None:
-            placement = {"hosts": self.hosts}
-        else:
-            placement = {"hosts": 1, "first_host": replica % self.hosts}
+        placement = {"hosts": self.hosts} if replica is None else {"hosts": 1, "first_host": replica % self.hosts}
         procs = await provisioner.spawn_procs(
             self.procs, self.with_gpus, name=name, role=self.role, gpus_per_proc=self.gpus_per_proc, **placement
         )

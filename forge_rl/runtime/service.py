@@ -155,10 +155,8 @@ class Service:
             sticky = self.replicas[self.sessions[session]]
             if sticky in healthy:
                 return sticky
-        if self.policy == "least_loaded":
-            chosen = min(healthy, key=lambda r: (r.in_flight, r.index))
-        else:
-            chosen = healthy[next(self._turn) % len(healthy)]
+        least_loaded = self.policy == "least_loaded"
+        chosen = min(healthy, key=lambda r: (r.in_flight, r.index)) if least_loaded else healthy[next(self._turn) % len(healthy)]
         if session is not None:
             self.sessions[session] = chosen.index
         return chosen
@@ -168,10 +166,7 @@ class Service:
         method = getattr(replica.actor, endpoint)
         replica.in_flight += 1
         try:
-            if self.launcher.procs == 1:
-                call = method.call_one(*args, **kwargs)
-            else:
-                call = method.call(*args, **kwargs)
+            call = (method.call_one if self.launcher.procs == 1 else method.call)(*args, **kwargs)
             try:
                 result = await asyncio.wait_for(call, timeout)
             except asyncio.TimeoutError:
