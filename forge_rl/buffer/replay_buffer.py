@@ -63,9 +63,7 @@ class ReplayBuffer:
         self._evict_stale(current_version)
         if len(self._groups) < self.batch_size:
             return None
-        batch = []
-        for _ in range(self.batch_size):
-            batch.extend(self._groups.popitem(last=False)[1])
+        batch = [e for _ in range(self.batch_size) for e in self._groups.popitem(last=False)[1]]
         self._counts["sampled"] += self.batch_size
         return batch
 

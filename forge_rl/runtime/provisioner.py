@@ -117,10 +117,9 @@ class Provisioner:
         self.attached.append(procs)
         agents = procs.spawn("host_agent", cluster.HostAgent)
         answers = await asyncio.wait_for(agents.describe.call(), AGENT_TIMEOUT_S)
-        hosts = []
-        for i, (point, (address, worker, gpus)) in enumerate(sorted(answers.items(), key=lambda kv: kv[0].rank)):
-            hosts.append(Host(address, worker or names[i], list(range(gpus)), agents.slice(hosts=i)))
-        return hosts
+        ranked = sorted(answers.items(), key=lambda kv: kv[0].rank)
+        return [Host(address, worker or names[i], list(range(gpus)), agents.slice(hosts=i))
+                for i, (_, (address, worker, gpus)) in enumerate(ranked)]
 
     async def spawn_procs(
         self, procs: int, with_gpus: bool = False, name: str = "forge", role: str | None = None, hosts: int = 1, first_host: int = 0,

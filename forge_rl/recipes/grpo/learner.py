@@ -76,10 +76,7 @@ async def train_batch(objective: GRPOLoss, batch: list[Episode], trained_version
     """A batch's optimizer steps as PPO's Algorithm 1 takes them; tests/test_exact_gradient.py runs this very
     loop on a tabular policy."""
     data, at_start = await batch_data(objective, batch, trained_version, score, ref_logprobs)
-    steps = []
-    for part, part_data in optimizer_steps(batch, data, minibatches_per_epoch, epochs):
-        steps.append(await train_step(part, part_data))
-    return steps, at_start
+    return [await train_step(*step) for step in optimizer_steps(batch, data, minibatches_per_epoch, epochs)], at_start
 
 
 class Learner:
