@@ -9,6 +9,7 @@ drops mid-episode; waiting while the server is full; typed errors. An episode th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -221,7 +222,5 @@ class EnvSession:
     async def _discard(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            try:
+            with contextlib.suppress(Exception):  # the connection is already broken; nothing to save
                 await asyncio.wait_for(conn.close(), 2.0)
-            except Exception:
-                pass  # the connection is already broken; nothing to save

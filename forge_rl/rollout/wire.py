@@ -19,6 +19,7 @@ The protocol, as openenv/core/env_server/http_server.py serves it:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -117,11 +118,9 @@ class Connection:
         ws, self.ws = self.ws, None
         if ws is None:
             return
-        try:
+        with contextlib.suppress(Exception):
             await ws.send(json.dumps({"type": "close"}))
             await asyncio.wait_for(ws.wait_closed(), 1.0)
-        except Exception:
-            pass
         await ws.close()
 
 

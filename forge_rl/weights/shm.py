@@ -12,6 +12,7 @@ names carry the writer's pid, so `remove_orphaned_buffers` can delete those of a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import secrets
@@ -126,10 +127,8 @@ class SharedBuffers:
 
     def close(self) -> None:
         for path in self.paths:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
         for fd in self.locks:
             os.close(fd)
         self.paths, self.buffers, self.locks, self.nbytes = [], [], [], 0
@@ -186,11 +185,9 @@ def remove_orphaned_buffers() -> list[str]:
     for name in os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []:
         pid = name[len(BUFFER_PREFIX) :].split("_")[0]
         if name.startswith(BUFFER_PREFIX) and pid.isdigit() and not _alive(int(pid)):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, name))
                 removed.append(name)
-            except FileNotFoundError:
-                pass
     return removed
 
 

@@ -15,6 +15,7 @@ engine pauses for a pointer swap, not a repack. Every load first waits for the p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -164,10 +165,8 @@ class WeightSyncExtension:
 
         def repack() -> None:
             try:
-                try:  # this thread and the pool it starts; Linux: only them, not the worker
+                with contextlib.suppress(OSError):  # this thread and the pool it starts; Linux: only them, not the worker
                     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), REPACK_NICE)
-                except OSError:
-                    pass
                 pack_on_every_core([module for module, _, _ in blocks] + embeddings)  # each packs a copy
             except BaseException as e:
                 errors.append(e)
@@ -237,10 +236,8 @@ def pack_on_every_core(modules: list[torch.nn.Module]) -> None:
     cores = set(range(os.cpu_count() or 1))
 
     def pack(module: torch.nn.Module) -> None:
-        try:
+        with contextlib.suppress(OSError):  # a sandbox that forbids it: pack where the worker may run
             os.sched_setaffinity(0, cores)  # this thread only
-        except OSError:  # a sandbox that forbids it: pack where the worker may run
-            pass
         module.quant_method.process_weights_after_loading(module)
 
     with ThreadPoolExecutor(max_workers=min(len(cores), len(modules), 8) or 1) as pool:
