@@ -11,11 +11,9 @@ if __name__ == "__main__":
     import sys
 
     from forge_rl.core.config import ConfigError, parse_cli, to_yaml
-    from forge_rl.core.config.loading import usage, wants_help
+    from forge_rl.core.config.loading import exit_on_help
 
-    if wants_help(sys.argv[1:]):
-        print(usage("forge_rl.config", WHAT))
-        raise SystemExit(0)
+    exit_on_help("forge_rl.config", WHAT)
     config = parse_cli()
     from forge_rl.recipes.grpo.check import check_run
 

@@ -10,14 +10,10 @@ is read before the stack is imported (seconds), so --help and a bad key answer a
 WHAT = "Train with GRPO: the config's app, environment and model (configs/blackjack_tiny_cpu.yaml: BlackJack, tiny model, CPU)."
 
 if __name__ == "__main__":
-    import sys
-
     from forge_rl.core.config import parse_cli
-    from forge_rl.core.config.loading import usage, wants_help
+    from forge_rl.core.config.loading import exit_on_help
 
-    if wants_help(sys.argv[1:]):
-        print(usage("forge_rl.grpo", WHAT))
-        raise SystemExit(0)
+    exit_on_help("forge_rl.grpo", WHAT)
     config = parse_cli()
     from forge_rl.recipes.grpo.main import run_from_command_line
 

@@ -119,12 +119,11 @@ The keys: docs/configuration.md, and the comments in configs/*.yaml (configs/bla
 Bad input stops with one line, `config error: <key>: ...`, and exit status 2."""
 
 
-def wants_help(argv: list[str]) -> bool:
-    return any(a in ("-h", "--help") for a in argv)
-
-
-def usage(prog: str, what: str) -> str:
-    return USAGE.format(prog=prog, what=what)
+def exit_on_help(prog: str, what: str) -> None:
+    """-h or --help on the command line: the usage, exit status 0 (before the stack is imported)."""
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(USAGE.format(prog=prog, what=what))
+        raise SystemExit(0)
 
 
 def parse_cli(argv: list[str] | None = None, schema: type = RunConfig):
