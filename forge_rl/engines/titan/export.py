@@ -106,9 +106,8 @@ def write_peft_adapter(state, model, adapter, config, model_dir: Path, out: Path
 
     out.mkdir()
     _, sources = lora_layers.hf_adapter_sources(model, adapter, torch.float32)
-    tensors = {}
-    for hf_name, (key, _, rows) in sources.items():
-        tensors[PEFT_PREFIX + hf_name] = (state[key] if rows is None else state[key][rows]).contiguous().clone()
+    tensors = {PEFT_PREFIX + hf_name: (state[key] if rows is None else state[key][rows]).contiguous().clone()
+               for hf_name, (key, _, rows) in sources.items()}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     peft_config = peft.LoraConfig(
         r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, target_modules=list(config.target_modules),

@@ -197,9 +197,7 @@ def shard_model(model: torch.nn.Module, mesh, dtype: str) -> None:
 
 def load_hf_weights(model: torch.nn.Module, adapter, hf_dir: Path) -> None:
     """Every rank reads the full HF checkpoint; set_model_state_dict keeps each rank's shard."""
-    hf_state = {}
-    for file in sorted(Path(hf_dir).glob("*.safetensors")):
-        hf_state.update(load_file(str(file)))
+    hf_state = {k: v for file in sorted(Path(hf_dir).glob("*.safetensors")) for k, v in load_file(str(file)).items()}
     if not hf_state:
         raise FileNotFoundError(f"{hf_dir}: no *.safetensors weights found")
     state = {k: v.float() for k, v in adapter.from_hf(hf_state).items()} | value_heads.initial_state(model)
