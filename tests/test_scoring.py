@@ -1,5 +1,5 @@
-"""The trainer scores a batch with one forward row per distinct path of a group and the output head only
-where a trained token is predicted (forge_rl/engines/titan/scoring.py): the loss and every gradient must be
+"""The trainer scores a batch with each id of its episodes' tree run once (a row holds a tree, each id
+attending to its ancestors) and the output head only where a trained token is predicted (forge_rl/engines/titan/scoring.py): the loss and every gradient must be
 those of scoring each episode alone over the whole vocabulary and every position."""
 
 import asyncio
@@ -42,15 +42,23 @@ def blackjack_like_groups() -> list[Episode]:
     return batch + [episode(prompt + [21, 40, 41, 21], [n, n + 3], 1.0, "g1")]  # hit, another card, hit
 
 
-def test_a_group_is_scored_by_one_row_per_path():
+@pytest.mark.parametrize("micro_batch_size, rows", [(8, [17]), (2, [17]), (1, [8, 8, 9])])
+def test_a_batch_is_scored_by_its_tree_of_ids_in_rows_as_long_as_a_micro_batch(micro_batch_size, rows):
+    """Group 0's tree holds 8 ids (its prompt and one path of 3), group 1's 9 (two paths that share a hit): a row
+    takes episodes until it holds micro_batch_size x 8 ids (the longest episode's needed ids), so with 8 group 0's
+    last game opens a row of its own (its path again)."""
     batch = blackjack_like_groups()
     t = Trainer("unused")._tensors(batch, None)
-    plan = plan_forward(t["tokens"], t["lengths"], t["mask"], list(range(len(batch))))
-    assert plan.rows == [1, 5, 8], "one row per path: the first group's one, the second group's two"
+    plan = plan_forward(t["tokens"], t["lengths"], t["mask"], list(range(len(batch))), micro_batch_size)
+    assert [len(ids) for ids in plan.ids] == rows
     for b in range(len(batch)):
-        row, n = plan.row_of[b], plan.needed[b]
-        assert t["tokens"][row, :n].tolist() == t["tokens"][b, :n].tolist()
+        n = plan.needed[b]
         assert n == max(p for p in range(len(batch[b].tokens)) if batch[b].loss_mask[p])
+        ids, positions, mask = plan.inputs([plan.row_of[b]])
+        columns = torch.tensor(plan.columns[b])
+        assert ids[0, columns].tolist() == t["tokens"][b, :n].tolist(), "an episode's ids, in order"
+        assert positions[0, columns].tolist() == list(range(n)), "each at its own position"
+        assert mask[0, 0, columns[-1]].nonzero().flatten().tolist() == columns.tolist(), "attending to its path alone"
 
 
 def test_turn_credit_compares_the_games_that_reached_the_same_conversation():
@@ -68,21 +76,22 @@ def test_turn_credit_compares_the_games_that_reached_the_same_conversation():
     assert [float(a[0]) for a in plain] == [-0.75, 1.25, -0.75, 0.25, -1.0, 1.0, -1.0, 0.0, 1.0]
 
 
+@pytest.mark.parametrize("micro_batch_size", [1, 8], ids=["two-rows", "one-row"])
 @pytest.mark.parametrize("turn_credit", [0.0, 1.0], ids=["per-game", "per-turn"])
 @pytest.mark.parametrize("allowed", [None, [20, 21]], ids=["free", "constrained"])
-def test_shared_rows_give_the_loss_and_gradients_of_every_episode_scored_alone(tmp_path, allowed, turn_credit):
+def test_shared_rows_give_the_loss_and_gradients_of_every_episode_scored_alone(tmp_path, allowed, turn_credit, micro_batch_size):
     model_dir = str(build_tiny_model(tmp_path / "tiny", seed=0))
     loss_fn = GRPOLoss(GRPOConfig(entropy_coef=0.1, estimator="dr_grpo", turn_credit=turn_credit, loss_agg="token_mean"))
-    trainer = Trainer(model_dir, loss_fn, OptimizerConfig(), micro_batch_size=1, allowed_token_ids=allowed, temperature=0.7)
+    trainer = Trainer(model_dir, loss_fn, OptimizerConfig(), micro_batch_size=micro_batch_size, allowed_token_ids=allowed, temperature=0.7)
     asyncio.run(Trainer.setup._method(trainer))
     batch = blackjack_like_groups()
     t = trainer._tensors(batch, None)
     totals = loss_fn.prepare(t, **add_data(t, plain_data(loss_fn, batch)))
     everyone = list(range(len(batch)))
-    plan = plan_forward(t["tokens"], t["lengths"], t["mask"], everyone)
+    plan = trainer._plan(t, everyone)
 
     shared = 0.0
-    for rows, weight in trainer._micro_batches(plan.rows):
+    for rows, weight in trainer._micro_batches(plan):
         loss, _ = trainer._forward_loss(t, plan, rows, plan.served_by(rows, everyone), weight, totals)
         loss.backward()
         shared += loss.item()
@@ -102,7 +111,7 @@ def test_shared_rows_give_the_loss_and_gradients_of_every_episode_scored_alone(t
 
 def test_a_train_step_reports_the_tokens_it_ran_through_the_model(tmp_path):
     """`forward_tokens`: the rows run, each padded to its micro-batch's longest (the figure behind the bench's
-    tokens per second): rows 1, 5 (8 ids each) then row 8 (7) of a batch of 64 ids."""
+    tokens per second): one row of 17 ids for a batch of 64 ids."""
     model_dir = str(build_tiny_model(tmp_path / "tiny", seed=0))
     loss_fn = GRPOLoss(GRPOConfig(estimator="dr_grpo", loss_agg="token_mean"))
     trainer = Trainer(model_dir, loss_fn, OptimizerConfig(), micro_batch_size=2)
@@ -110,4 +119,4 @@ def test_a_train_step_reports_the_tokens_it_ran_through_the_model(tmp_path):
     batch = blackjack_like_groups()
     metrics = train_step(trainer, batch)
     assert sum(len(e.tokens) for e in batch) == 64
-    assert metrics["forward_tokens"] == 2 * 8 + 7
+    assert metrics["forward_tokens"] == 17

@@ -1,75 +1,98 @@
 """Scoring a batch with no more forward work than its loss needs, for exactly the same loss.
 
 A token's log-prob depends only on the ids before it, so:
-- One forward row serves every episode whose trained tokens all follow ids that row shares: a group's games
-  agree until their first different answer.
+- The episodes' ids form a tree (a group's answers share their prompt, games that answered alike their
+  history until they differ). One forward row holds a piece of that tree, each id once, at its position
+  in its episodes and attending to its ancestors only (compat/torchtitan.py `tree_attention`).
 - Only positions that predict a trained token need the output head (model.py `scoring_head`).
-Gradients stay exact: a shared row's log-probs feed every episode it serves, and autograd sums their terms.
+Gradients stay exact: a shared id's activations feed every episode through it, and autograd sums their terms.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from forge_rl.engines.titan.model import pad_right
 
+ROW_TOKENS = 2048  # a row's ids before the next starts: attention costs a row's length squared
+
 
 @dataclass
 class ForwardPlan:
-    rows: list[int]  # the episodes whose ids are run through the model, longest first
-    row_of: dict[int, int]  # episode -> the episode in `rows` that serves it
     needed: dict[int, int]  # episode -> how many of its ids the loss needs (its last trained position)
+    per_pass: int  # rows per forward: as many ids as `micro_batch_size` unshared episodes held
+    ids: list[list[int]] = field(default_factory=list)  # each row's ids, parents before children
+    parents: list[list[int]] = field(default_factory=list)  # each id's parent's column in its row (-1: none)
+    row_of: dict[int, int] = field(default_factory=dict)  # episode -> its row
+    columns: dict[int, list[int]] = field(default_factory=dict)  # episode -> the columns of its needed ids
+    rows: list[int] = field(default_factory=list)  # the rows' indexes
 
     def served_by(self, rows: list[int], episodes: list[int]) -> list[int]:
         """The `episodes` that the `rows` serve."""
         rows = set(rows)
         return [b for b in episodes if self.row_of[b] in rows]
 
+    def inputs(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The `rows` as one forward's ids [R, W], positions [R, W] and attention mask [R, 1, W, W]."""
+        width = max(len(self.ids[r]) for r in rows)
+        ids, positions = pad_right([torch.tensor(self.ids[r]) for r in rows], width), torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1)  # padding attends to itself alone
+        for i, r in enumerate(rows):
+            for column, parent in enumerate(self.parents[r]):
+                if parent >= 0:
+                    mask[i, column] |= mask[i, parent]
+                    positions[i, column] = positions[i, parent] + 1
+        return ids, positions, mask[:, None]
 
-def plan_forward(tokens: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor, episodes: list[int]) -> ForwardPlan:
-    """Rows to run for `episodes` (indexes into the padded [B, T] `tokens` and `mask`): an episode is served by
-    a row whose first `needed` ids are its own. A trie of the rows' ids finds one; episodes are taken longest
-    first, so a shorter one is served by a longer one that shares its prefix."""
+
+def plan_forward(tokens: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor, episodes: list[int],
+                 micro_batch_size: int = 1) -> ForwardPlan:
+    """Rows for `episodes` (indexes into the padded [B, T] `tokens` and `mask`): taken in the order of their ids
+    (a group's episodes meet), each adds the ids its row lacks; a row holding `cap` ids or more starts the next."""
     needed = {}
     for b in episodes:
         trained = mask[b, : int(lengths[b])].nonzero()
         needed[b] = int(trained[-1]) if len(trained) else 0  # ids before the last trained token
-    root: dict = {}  # id -> child node; a node's None key holds the first row through it
-    rows, row_of = [], {}
-    for b in sorted(episodes, key=lambda b: (-int(lengths[b]), b)):
-        ids = tokens[b, : needed[b]].tolist()
-        node = root
-        for token in ids:
-            node = node.get(token)
-            if node is None:
-                break
-        if node is not None and None in node:
-            row_of[b] = node[None]
-            continue
-        row_of[b], node = b, root
-        rows.append(b)
-        node.setdefault(None, b)
-        for token in tokens[b, : int(lengths[b])].tolist():
-            node = node.setdefault(token, {})
-            node.setdefault(None, b)
-    return ForwardPlan(rows, row_of, needed)
+    longest = max([*needed.values(), 1])
+    cap = max(longest, min(micro_batch_size * longest, ROW_TOKENS))
+    plan = ForwardPlan(needed, max(1, micro_batch_size * longest // cap))
+    paths = {b: tokens[b, : max(needed[b], 1)].tolist() for b in episodes}
+    for b in sorted(episodes, key=lambda b: (paths[b], b)):
+        path = paths[b]
+        if not plan.ids or len(plan.ids[-1]) >= cap:
+            plan.ids.append([])
+            plan.parents.append([])
+            trie = {}  # id -> (column, children) of the row's tree
+        node, parent, columns = trie, -1, []
+        for token in path:
+            if token not in node:
+                node[token] = (len(plan.ids[-1]), {})
+                plan.ids[-1].append(token)
+                plan.parents[-1].append(parent)
+            parent, node = node[token]
+            columns.append(parent)
+        plan.row_of[b], plan.columns[b] = len(plan.ids) - 1, columns[: needed[b]]
+    if not plan.ids:  # no episodes on this rank: one id to run all the same (FSDP's collectives pair up)
+        plan.ids, plan.parents = [[int(tokens[0, 0])]], [[-1]]
+    plan.rows = list(range(len(plan.ids)))
+    return plan
 
 
 def scored_positions(plan: ForwardPlan, mask: torch.Tensor, episodes: list[int], row_indices: list[int], width: int):
-    """The trained tokens of `episodes`, served by the rows `row_indices` (indexes into plan.rows) run as one
-    [len(row_indices), width] input: (episode slot, position) of each token, positions counted from 1 as the
-    batch's [B, T] tensors count them; the flat indexes into the [len(row_indices) * width] outputs that predict
-    them, each once; and for each token, which of those flat indexes predicts it."""
+    """The trained tokens of `episodes`, served by the rows `row_indices` run as one [len(row_indices), width]
+    input (`plan.inputs`): (episode slot, position) of each token, positions counted from 1 as the batch's
+    [B, T] tensors count them; the flat indexes into the [len(row_indices) * width] outputs that predict them,
+    each once; and for each token, which of those flat indexes predicts it."""
     local = {r: i for i, r in enumerate(row_indices)}
     slots, positions, flat = [], [], []
     for slot, b in enumerate(episodes):
-        row = local[plan.row_of[b]]
+        row, columns = local[plan.row_of[b]], plan.columns[b]
         for p in mask[b].nonzero().flatten().tolist():
             slots.append(slot)
             positions.append(p)
-            flat.append(row * width + p - 1)
+            flat.append(row * width + columns[p - 1])
     unique, which = torch.unique(torch.tensor(flat, dtype=torch.long), return_inverse=True)
     return torch.tensor(slots, dtype=torch.long), torch.tensor(positions, dtype=torch.long), unique, which
 

@@ -3,8 +3,7 @@ the loss function it is given (core/objective.py for GRPO) turns each micro-batc
 
     recipe --episodes--> train_step --> push_weights(v) --Publisher--> generators (forge_rl/weights/)
 
-Deliberately not here: sequence packing (sdpa has no block-causal mask; episodes are right-padded per
-micro-batch instead), tensor/pipeline parallelism, activation checkpointing, torch.compile.
+Deliberately not here: tensor/pipeline parallelism, activation checkpointing, torch.compile.
 """
 
 import asyncio
@@ -25,6 +24,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.utils import clip_grad_norm_
 
 from forge_rl.compat.torch import set_scheduler_lr
+from forge_rl.compat.torchtitan import tree_attention
 from forge_rl.core.config import LoraConfig, OptimizerConfig
 from forge_rl.core.loss import reduction
 from forge_rl.core.types import Episode
@@ -112,10 +112,10 @@ class Trainer(ForgeActor):
         if ref_logprobs == "base":
             t["ref"] = self._base_logprobs(t, mine)
         totals = self.loss_fn.prepare(t, **add_data(t, data))
-        plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
+        plan = self._plan(t, mine)
         total_loss, tokens, forward_tokens = 0.0, 0.0, 0
         sums, lows, highs = defaultdict(float), {}, {}
-        for rows, weight in self._micro_batches(plan.rows):
+        for rows, weight in self._micro_batches(plan):
             loss, m = self._forward_loss(t, plan, rows, plan.served_by(rows, mine) if weight else [], weight, totals)
             loss.backward()
             forward_tokens += m.pop("forward_tokens")
@@ -290,7 +290,7 @@ class Trainer(ForgeActor):
         piece["mask"] = piece["mask"] * weight
         piece.update({} if values is None else {"predicted_values": values})
         loss, metrics = self.loss_fn(lp, piece, entropy, totals)
-        return loss + anchor, {**metrics, "forward_tokens": len(rows) * width}  # padding included
+        return loss + anchor, {**metrics, "forward_tokens": len(rows) * max(len(plan.ids[r]) for r in rows)}  # padding included
 
     def _score(self, t: dict, plan: ForwardPlan, rows: list[int], episodes: list[int]):
         """One forward of `rows`, the output head only where a trained token of `episodes` is predicted.
@@ -298,9 +298,11 @@ class Trainer(ForgeActor):
         Log-probs, entropies and values are [len(episodes), width], column j for position j + 1. `anchor` is a
         zero tying every parameter to the loss: a rank that trains nothing still runs FSDP's backward collectives."""
         width = max([plan.needed[b] for b in episodes] + [1])
-        slots, positions, index, which = scored_positions(plan, t["mask"], episodes, rows, width)
-        with autocast(self.device, self.dtype), scoring_head(self.model, index.to(self.device)), head_values(self.model) as head:
-            logits = self.model(t["tokens"][rows, :width].to(self.device))  # [len(index), V]
+        ids, depths, attention = plan.inputs(rows)
+        slots, positions, index, which = scored_positions(plan, t["mask"], episodes, rows, ids.shape[1])
+        with autocast(self.device, self.dtype), scoring_head(self.model, index.to(self.device)), head_values(self.model) as head, \
+                tree_attention(self.model, attention.to(self.device)):
+            logits = self.model(ids.to(self.device), positions=depths.to(self.device))  # [len(index), V]
         targets = t["tokens"][episodes][slots, positions].to(self.device)
         lp_tokens, entropy_tokens = scored_logprobs(logits, which.to(self.device), targets, self.allowed_token_ids, self.temperature)
         lp = torch.zeros(len(episodes), width, device=self.device)
@@ -312,8 +314,8 @@ class Trainer(ForgeActor):
 
     def _scored_pieces(self, t: dict, mine: list[int]):
         """Each micro-batch scored as the loss scores it; call under torch.no_grad."""
-        plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
-        for rows, weight in self._micro_batches(plan.rows):
+        plan = self._plan(t, mine)
+        for rows, weight in self._micro_batches(plan):
             episodes = plan.served_by(rows, mine) if weight else []
             lp, entropy, width, _, values = self._score(t, plan, rows, episodes)
             yield episodes, lp, entropy, width, weight, values
@@ -332,9 +334,9 @@ class Trainer(ForgeActor):
         t = self._tensors(episodes, None)
         denominator = t["mask"].sum().clamp(min=1).item()
         mine = self._my_rows(len(episodes))
-        plan = plan_forward(t["tokens"], t["lengths"], t["mask"], mine)
+        plan = self._plan(t, mine)
         nll = 0.0
-        for rows, weight in self._micro_batches(plan.rows):
+        for rows, weight in self._micro_batches(plan):
             served = plan.served_by(rows, mine) if weight else []
             lp, _, width, anchor, _ = self._score(t, plan, rows, served)
             piece_nll = -(lp * t["mask"][served, 1 : width + 1].to(self.device)).sum() * weight / denominator
@@ -342,11 +344,14 @@ class Trainer(ForgeActor):
             nll += piece_nll.item()
         return self._all_sum({"nll": nll})["nll"]
 
-    def _micro_batches(self, rows: list[int]):
+    def _plan(self, t: dict, mine: list[int]) -> ForwardPlan:
+        return plan_forward(t["tokens"], t["lengths"], t["mask"], mine, self.micro_batch_size)
+
+    def _micro_batches(self, plan: ForwardPlan):
         """(rows, loss weight) micro-batches. Every rank runs as many passes (FSDP's collectives pair up): one short
         of rows runs row 0 weighted 0."""
-        n_micro = max(1, int(self._all_max({"n": math.ceil(len(rows) / self.micro_batch_size)})["n"]))
-        for piece in torch.tensor_split(torch.tensor(rows, dtype=torch.long), n_micro):
+        n_micro = max(1, int(self._all_max({"n": math.ceil(len(plan.rows) / plan.per_pass)})["n"]))
+        for piece in torch.tensor_split(torch.tensor(plan.rows, dtype=torch.long), n_micro):
             yield (piece.tolist(), 1.0) if len(piece) else ([0], 0.0)
 
     def _my_rows(self, n: int) -> list[int]:
