@@ -125,7 +125,7 @@ class LoraConfig:
 class TrainerConfig:
     procs: int = 1  # ranks per host; > 1 in all shards with FSDP2
     hosts: int = 1  # hosts the trainer mesh spans (cluster.workers or cluster.kubernetes)
-    micro_batch_size: int = 8  # sequences per forward/backward on one rank: memory grows with it, speed too up to a point
+    micro_batch_size: int = 8  # the ids of this many episodes per forward/backward on one rank (shared ids once): memory grows with it
     max_steps: int = 200
     checkpoint_every: int = 25  # steps; 0 disables (the last step is checkpointed too)
     timeout_s: float = 3600.0  # per call to the trainer (train step, weights push, checkpoint)
