@@ -91,8 +91,8 @@ def test_shared_rows_give_the_loss_and_gradients_of_every_episode_scored_alone(t
     plan = trainer._plan(t, everyone)
 
     shared = 0.0
-    for rows, weight in trainer._micro_batches(plan):
-        loss, _ = trainer._forward_loss(t, plan, rows, plan.served_by(rows, everyone), weight, totals)
+    for rows, weight, served in trainer._micro_batches(plan, everyone):
+        loss, _ = trainer._forward_loss(t, plan, rows, served, weight, totals)
         loss.backward()
         shared += loss.item()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}

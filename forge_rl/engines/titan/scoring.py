@@ -27,12 +27,6 @@ class ForwardPlan:
     parents: list[list[int]] = field(default_factory=list)  # each id's parent's column in its row (-1: none)
     row_of: dict[int, int] = field(default_factory=dict)  # episode -> its row
     columns: dict[int, list[int]] = field(default_factory=dict)  # episode -> the columns of its needed ids
-    rows: list[int] = field(default_factory=list)  # the rows' indexes
-
-    def served_by(self, rows: list[int], episodes: list[int]) -> list[int]:
-        """The `episodes` that the `rows` serve."""
-        rows = set(rows)
-        return [b for b in episodes if self.row_of[b] in rows]
 
     def inputs(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The `rows` as one forward's ids [R, W], positions [R, W] and attention mask [R, 1, W, W]."""
@@ -76,7 +70,6 @@ def plan_forward(tokens: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor
         plan.row_of[b], plan.columns[b] = len(plan.ids) - 1, columns[: needed[b]]
     if not plan.ids:  # no episodes on this rank: one id to run all the same (FSDP's collectives pair up)
         plan.ids, plan.parents = [[int(tokens[0, 0])]], [[-1]]
-    plan.rows = list(range(len(plan.ids)))
     return plan
 
 

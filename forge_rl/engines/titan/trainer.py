@@ -115,8 +115,8 @@ class Trainer(ForgeActor):
         plan = self._plan(t, mine)
         total_loss, tokens, forward_tokens = 0.0, 0.0, 0
         sums, lows, highs = defaultdict(float), {}, {}
-        for rows, weight in self._micro_batches(plan):
-            loss, m = self._forward_loss(t, plan, rows, plan.served_by(rows, mine) if weight else [], weight, totals)
+        for rows, weight, served in self._micro_batches(plan, mine):
+            loss, m = self._forward_loss(t, plan, rows, served, weight, totals)
             loss.backward()
             forward_tokens += m.pop("forward_tokens")
             n = m.pop("num_tokens").item()
@@ -315,8 +315,7 @@ class Trainer(ForgeActor):
     def _scored_pieces(self, t: dict, mine: list[int]):
         """Each micro-batch scored as the loss scores it; call under torch.no_grad."""
         plan = self._plan(t, mine)
-        for rows, weight in self._micro_batches(plan):
-            episodes = plan.served_by(rows, mine) if weight else []
+        for rows, weight, episodes in self._micro_batches(plan, mine):
             lp, entropy, width, _, values = self._score(t, plan, rows, episodes)
             yield episodes, lp, entropy, width, weight, values
 
@@ -336,8 +335,7 @@ class Trainer(ForgeActor):
         mine = self._my_rows(len(episodes))
         plan = self._plan(t, mine)
         nll = 0.0
-        for rows, weight in self._micro_batches(plan):
-            served = plan.served_by(rows, mine) if weight else []
+        for rows, weight, served in self._micro_batches(plan, mine):
             lp, _, width, anchor, _ = self._score(t, plan, rows, served)
             piece_nll = -(lp * t["mask"][served, 1 : width + 1].to(self.device)).sum() * weight / denominator
             (coef * piece_nll + anchor).backward()
@@ -347,12 +345,13 @@ class Trainer(ForgeActor):
     def _plan(self, t: dict, mine: list[int]) -> ForwardPlan:
         return plan_forward(t["tokens"], t["lengths"], t["mask"], mine, self.micro_batch_size)
 
-    def _micro_batches(self, plan: ForwardPlan):
-        """(rows, loss weight) micro-batches. Every rank runs as many passes (FSDP's collectives pair up): one short
-        of rows runs row 0 weighted 0."""
-        n_micro = max(1, int(self._all_max({"n": math.ceil(len(plan.rows) / plan.per_pass)})["n"]))
-        for piece in torch.tensor_split(torch.tensor(plan.rows, dtype=torch.long), n_micro):
-            yield (piece.tolist(), 1.0) if len(piece) else ([0], 0.0)
+    def _micro_batches(self, plan: ForwardPlan, mine: list[int]):
+        """(rows, loss weight, the episodes of `mine` they serve) micro-batches. Every rank runs as many passes
+        (FSDP's collectives pair up): one short of rows runs row 0 weighted 0, serving none."""
+        n_micro = max(1, int(self._all_max({"n": math.ceil(len(plan.ids) / plan.per_pass)})["n"]))
+        for piece in torch.tensor_split(torch.arange(len(plan.ids)), n_micro):
+            rows = piece.tolist()
+            yield (rows, 1.0, [b for b in mine if plan.row_of[b] in rows]) if rows else ([0], 0.0, [])
 
     def _my_rows(self, n: int) -> list[int]:
         """This rank's contiguous slice of a batch of n (sizes differ by at most one)."""
