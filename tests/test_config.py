@@ -27,6 +27,15 @@ def test_overrides_and_interpolation():
     assert cfg.grpo.clip_high == 0.28  # untouched keys keep the file's value
 
 
+def test_a_seed_whose_training_seeds_are_the_evaluations_is_refused():
+    """Training takes seeds from seed x 1,000,000 on: with seed 1 it would play eval.seed's deals (1,000,000 on)."""
+    with pytest.raises(ConfigError, match=r"^seed: 1 trains on seeds 1,000,000 on, where eval.seed 1,000,000 evaluates"):
+        load_config(TINY, ["seed=1"])
+    assert load_config(TINY, ["seed=2"]).seed == 2
+    assert load_config(TINY, ["seed=1", "eval.seed=5000000"]).seed == 1
+    assert load_config(TINY, ["seed=1", "eval.task_split=test"]).seed == 1  # a split's tasks, not seeds
+
+
 def test_env_url_on_the_command_line_wins_over_the_files_env_server():
     cfg = load_config(TINY, ["env.url=http://blackjack:8000"])
     assert cfg.env.url == "http://blackjack:8000" and cfg.env.server is None

@@ -189,7 +189,7 @@ class RolloutConfig:
 class EvalConfig:
     interval: int = 25  # train steps between evaluations; 0 disables
     num_games: int = 10_000  # fixed seeded deals, greedy decoding
-    seed: int = 1_000_000  # first seed of the evaluation deals (disjoint from training seeds)
+    seed: int = 1_000_000  # first seed of the evaluation deals (the check keeps them out of training's)
     reset_args: dict = field(default_factory=dict)  # over env.reset_args for evaluation, e.g. {split: eval}
     # None: the seeds above; a split: its tasks 0 .. num_games - 1 (at most all); a list of splits: each so, the
     # first's metrics eval/..., every other's eval/<split>/...
@@ -301,6 +301,7 @@ class RunConfig:
     chat: ChatConfig = field(default_factory=ChatConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    SEEDS_PER_RUN: ClassVar[int] = 1_000_000  # a run trains on seeds from seed * SEEDS_PER_RUN; evaluation's must lie outside
     # Set by load_config: the dotted keys the file and the overrides gave; every other key took its default, the
     # fitted ones (kind -> {key: value}) from FITTED_DEFAULTS
     keys_given: ClassVar[frozenset] = frozenset()
@@ -326,6 +327,9 @@ class RunConfig:
                 raise ConfigError(f"{role}.hosts: {hosts}, but cluster.workers lists {len(self.cluster.workers)}")
         for role, section in (("generator", self.generator), ("reference", self.reference)):
             _replicas_fill_hosts(role, section.num_replicas, section.hosts)
+        trained = range(self.seed * self.SEEDS_PER_RUN, (self.seed + 1) * self.SEEDS_PER_RUN)
+        if self.eval.task_split is None and self.eval.seed < trained.stop and trained.start < self.eval.seed + self.eval.num_games:
+            raise ConfigError(f"seed: {self.seed} trains on seeds {trained.start:,} on, where eval.seed {self.eval.seed:,} evaluates ({self.eval.num_games:,} games): set another seed")
         if self.grpo.overlong_buffer > self.sampling.max_tokens:
             raise ConfigError(f"grpo.overlong_buffer: {self.grpo.overlong_buffer} is longer than sampling.max_tokens ({self.sampling.max_tokens})")
 

@@ -117,7 +117,7 @@ async def start(cfg: RunConfig, app: App, url: str, checked=None) -> Job:
     rollouts.num_tasks = num_tasks
     return Job(
         cfg=cfg,
-        state=RunState(next_seed=cfg.seed * 1_000_000),
+        state=RunState(next_seed=cfg.seed * cfg.SEEDS_PER_RUN),
         rollouts=rollouts,
         learner=Learner(cfg, trainer, policy, reference),
         evaluation=Evaluation(rollouts),
